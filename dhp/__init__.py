@@ -1,0 +1,3 @@
+"""dhp: disaggregated hybrid parallelism for vision-language model training on Ray."""
+
+__version__ = "0.1.0"
