@@ -1,0 +1,146 @@
+"""Ray Data ingestion: annotation files -> preprocessed samples -> micro-batches held in the object store.
+
+Reading and preprocessing run in Ray Data (read_binary_files -> flat_map into records -> map with a
+stateful `Preprocessor` on `data.preprocess_workers` actors). A `BatchLoader` actor drives the stream,
+packs each global batch into token-budget micro-batches and `ray.put`s the vision part and the text part
+separately, so the driver receives only object references and scalar metadata (invariant 3): the
+vision pool is handed the vision refs, the text pool the text refs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
+from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+
+MAX_SKIP_EXAMPLES = 50  # skipped records kept with their location per loader (full quarantine: later)
+
+
+@dataclass
+class MicroBatch:
+    vision: ray.ObjectRef  # dict: pixel_values [P, 1176], image_grid_thw [n, 3]
+    text: ray.ObjectRef  # dict: input_ids/labels/attention_mask [B, L], position_ids [3, B, L]
+    meta: MicroBatchMeta
+
+
+@dataclass
+class GlobalBatch:
+    microbatches: list[MicroBatch]
+    epoch: int
+    skipped: dict[str, int] = field(default_factory=dict)  # new skips (by reason) since the last batch
+
+    @property
+    def label_tokens(self) -> int:
+        return sum(m.meta.label_tokens for m in self.microbatches)
+
+    @property
+    def tokens(self) -> int:
+        return sum(m.meta.tokens for m in self.microbatches)
+
+
+def split_records(row: dict[str, Any], seed: int | None) -> list[dict[str, str]]:
+    """One annotation file (JSONL or a JSON array) -> one row per record, its JSON kept as text.
+
+    Records stay text until the preprocessor parses them, so one bad line is one counted skip rather
+    than a failed read. With a seed, the records of the file are permuted (per-epoch shuffle).
+    """
+    path, text = row["path"], row["bytes"].decode("utf-8", errors="replace")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(text)
+            rows = [{"source": f"{path}[{i}]", "record": json.dumps(r)} for i, r in enumerate(items)]
+        except json.JSONDecodeError as e:  # the whole array is unreadable: one skip naming the file
+            rows = [{"source": path, "record": f"<unparseable JSON array: {e}>"}]
+    else:
+        lines = text.splitlines()
+        rows = [{"source": f"{path}:{i + 1}", "record": line} for i, line in enumerate(lines) if line.strip()]
+    if seed is not None:
+        random.Random(seed).shuffle(rows)
+    return rows
+
+
+def build_dataset(
+    paths: list[str], settings: PreprocessSettings, model_config: Any, workers: int, num_cpus: float,
+    seed: int | None,
+) -> ray.data.Dataset:
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # same seed -> same batches, across runs and resumes
+    ctx.enable_progress_bars = False
+    # Small CPU requests: Ray Data's default of one CPU per task would wait forever on a small machine
+    # whose CPUs are held by the stage actors.
+    ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0.05)
+    ds = ds.flat_map(split_records, fn_kwargs={"seed": seed}, num_cpus=0.05)
+    return ds.map(
+        Preprocessor,
+        fn_constructor_args=(settings, model_config),
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        num_cpus=num_cpus,
+    )
+
+
+class BatchLoader:
+    """Ray actor owning one stream of global batches (one per data-parallel replica, later)."""
+
+    def __init__(
+        self, paths: list[str], settings: PreprocessSettings, model_config: Any, global_batch_size: int,
+        microbatch_tokens: int, workers: int = 1, num_cpus: float = 0.25, seed: int | None = 0,
+        pad_id: int = 151643, repeat: bool = True,
+    ):
+        self.args = (paths, settings, model_config, workers, num_cpus)
+        self.global_batch_size = global_batch_size
+        self.budget = microbatch_tokens
+        self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
+        self.epoch, self.rows = 0, None
+        self.skipped: Counter[str] = Counter()
+        self.skip_examples: list[dict[str, str]] = []
+        self.good = 0
+
+    def _next_row(self) -> dict[str, Any] | None:
+        while True:
+            if self.rows is None:
+                seed = None if self.seed is None else self.seed + self.epoch
+                self.rows = iter(build_dataset(*self.args, seed=seed).iter_rows())
+            try:
+                return next(self.rows)
+            except StopIteration:
+                self.rows = None
+                if not self.repeat:
+                    return None
+                if self.good == 0:
+                    raise RuntimeError(f"no usable sample in {self.args[0]}; skipped: {dict(self.skipped)}") from None
+                self.epoch += 1
+
+    def next_batch(self) -> GlobalBatch | None:
+        """The next global batch, or None when a non-repeating stream is exhausted."""
+        before = Counter(self.skipped)
+        samples = []
+        while len(samples) < self.global_batch_size:
+            row = self._next_row()
+            if row is None:
+                break
+            if row["error"]:
+                self.skipped[row["error"]] += 1
+                if len(self.skip_examples) < MAX_SKIP_EXAMPLES:
+                    self.skip_examples.append({k: row[k] for k in ("source", "error", "detail")})
+                continue
+            self.good += 1
+            samples.append(decode_sample(row["sample"]))
+        if not samples:
+            return None
+        microbatches = []
+        for group in pack([s["input_ids"].shape[0] for s in samples], self.budget):
+            chosen = [samples[i] for i in group]
+            vision, text = vision_inputs(chosen), text_inputs(chosen, self.pad_id)
+            microbatches.append(MicroBatch(ray.put(vision), ray.put(text), meta_of(vision, text)))
+        return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before))
+
+    def skip_report(self) -> dict[str, Any]:
+        return {"counts": dict(self.skipped), "examples": list(self.skip_examples), "good": self.good}

@@ -1,0 +1,205 @@
+"""One LLaVA-style record -> the tensors both stages need, or a named reason to skip it.
+
+Runs inside Ray Data workers (never in the trainer actors). Every step uses transformers' own pieces:
+`Qwen2VLImageProcessorPil` (smart_resize within min/max pixels, normalise, 14x14x2 patchify), the Qwen2.5
+tokenizer and chat template, and `get_rope_index` for the 3-D mRoPE positions.
+
+Output of `Preprocessor.__call__` (one Ray Data row):
+    source  str    where the record came from ("file:line")
+    error   str    "" for a usable sample, else a short reason ("missing_image", "too_long", ...)
+    detail  str    human-readable detail of the error
+    sample  bytes  safetensors blob (see `encode_sample`), empty on error
+    tokens  int    sequence length L (0 on error)
+Sample tensors: pixel_values f32 [P, 1176]; image_grid_thw i64 [n_img, 3]; input_ids i64 [L];
+labels i64 [L] (-100 except assistant replies); position_ids i64 [3, L].
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+IGNORE_INDEX = -100
+IMAGE_PLACEHOLDER = "<image>"
+ROLES = {"human": "user", "gpt": "assistant"}
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+class SkipSample(Exception):
+    """A record that cannot be trained on; `reason` is the counter it is recorded under."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class PreprocessSettings:
+    image_root: str  # local dir or URI that relative `image` paths are resolved against
+    min_pixels: int
+    max_pixels: int
+    max_seq_len: int
+    tokenizer_path: str | None = None
+
+
+def encode_sample(sample: dict[str, np.ndarray]) -> bytes:
+    return st_save({k: np.ascontiguousarray(v) for k, v in sample.items()})
+
+
+def decode_sample(blob: bytes) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v.copy()) for k, v in st_load(blob).items()}
+
+
+def parse_record(text: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """JSON text -> (image paths, [(role, value)]), validated; raises SkipSample with the reason."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SkipSample("malformed_json", str(e)) from None
+    if not isinstance(record, dict):
+        raise SkipSample("wrong_field_type", f"record is a {type(record).__name__}, not an object")
+    images = record.get("image", [])
+    images = [images] if isinstance(images, str) else images
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise SkipSample("wrong_field_type", "'image' must be a path or a list of paths")
+    turns = record.get("conversations")
+    if not turns:
+        raise SkipSample("missing_conversations", "'conversations' is missing or empty")
+    if not isinstance(turns, list):
+        raise SkipSample("wrong_field_type", "'conversations' must be a list")
+    parsed = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("from") not in ROLES or not isinstance(turn.get("value"), str):
+            raise SkipSample("wrong_field_type", f"turn {i} needs 'from' in {list(ROLES)} and a string 'value'")
+        parsed.append((ROLES[turn["from"]], turn["value"]))
+    n_placeholders = sum(v.count(IMAGE_PLACEHOLDER) for _, v in parsed)
+    if n_placeholders != len(images):
+        raise SkipSample("image_count_mismatch", f"{n_placeholders} <image> for {len(images)} image(s)")
+    if not any(role == "assistant" for role, _ in parsed):
+        raise SkipSample("no_assistant_turn", "nothing to learn: no 'gpt' turn")
+    return images, parsed
+
+
+class Preprocessor:
+    """Callable for `Dataset.map`: holds the tokenizer, image processor and model config."""
+
+    def __init__(self, settings: PreprocessSettings, model_config: Any):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from dhp.dataflow.tokenizer import load_tokenizer
+
+        self.settings = settings
+        self.config = model_config
+        vc = model_config.vision_config
+        self.image_processor = Qwen2VLImageProcessorPil(
+            min_pixels=settings.min_pixels,
+            max_pixels=settings.max_pixels,
+            patch_size=vc.patch_size,
+            temporal_patch_size=vc.temporal_patch_size,
+            merge_size=vc.spatial_merge_size,
+        )
+        self.tokenizer = load_tokenizer(settings.tokenizer_path)
+        self.merge_unit = vc.spatial_merge_size**2
+        self.pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.im_end_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        from pyarrow import fs as pafs
+
+        root = settings.image_root
+        self.fs, self.root = pafs.FileSystem.from_uri(root if "://" in root else os.path.abspath(root))
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        try:
+            sample = self.process(row["record"])
+        except SkipSample as e:
+            return {"source": row["source"], "error": e.reason, "detail": e.detail, "sample": b"", "tokens": 0}
+        return {
+            "source": row["source"],
+            "error": "",
+            "detail": "",
+            "sample": encode_sample(sample),
+            "tokens": int(sample["input_ids"].shape[0]),
+        }
+
+    def process(self, text: str) -> dict[str, np.ndarray]:
+        image_paths, turns = parse_record(text)
+        images = [self.load_image(p) for p in image_paths]
+        if images:
+            out = self.image_processor(images=images, return_tensors="np")
+            pixel_values = out["pixel_values"].astype(np.float32)
+            grid = out["image_grid_thw"].astype(np.int64)
+        else:
+            pixel_values = np.zeros((0, 3 * 2 * 14 * 14), np.float32)
+            grid = np.zeros((0, 3), np.int64)
+        input_ids, labels = self.tokenize(turns, (grid.prod(-1) // self.merge_unit).tolist())
+        if len(input_ids) > self.settings.max_seq_len:
+            raise SkipSample("too_long", f"{len(input_ids)} tokens > data.max_seq_len={self.settings.max_seq_len}")
+        from dhp.models.qwen2_5_vl import rope_positions
+
+        positions = rope_positions(torch.from_numpy(input_ids), torch.from_numpy(grid), self.config)
+        return {
+            "pixel_values": pixel_values,
+            "image_grid_thw": grid,
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": positions.numpy().astype(np.int64),
+        }
+
+    def load_image(self, rel_path: str) -> Image.Image:
+        path = rel_path if "://" in rel_path else f"{self.root.rstrip('/')}/{rel_path.lstrip('/')}"
+        try:
+            with self.fs.open_input_file(path) as f:
+                data = f.read()
+        except (FileNotFoundError, OSError) as e:
+            raise SkipSample("missing_image", f"{rel_path}: {e}") from None
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise SkipSample("corrupt_image", f"{rel_path}: {e}") from None
+        if min(image.size) < 2:
+            raise SkipSample("degenerate_image", f"{rel_path}: size {image.size}")
+        return image.convert("RGB")
+
+    def tokenize(self, turns: list[tuple[str, str]], image_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Chat template -> ids with each <image> expanded to its <|image_pad|> run; labels on replies.
+
+        Each image is rendered as a single <|image_pad|> (the chat template's form) and expanded after
+        tokenisation: cheaper than tokenising thousands of pad tokens, and pad tokens never merge.
+        """
+        vision = "<|vision_start|><|image_pad|><|vision_end|>"
+        pieces: list[tuple[str, bool]] = [(f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n", False)]
+        for role, value in turns:
+            if role == "assistant":
+                pieces += [("<|im_start|>assistant\n", False), (value + "<|im_end|>", True), ("\n", False)]
+            else:
+                value = value.replace(IMAGE_PLACEHOLDER, vision)
+                pieces.append((f"<|im_start|>{role}\n{value}<|im_end|>\n", False))
+        text = "".join(p for p, _ in pieces)
+        spans, pos = [], 0
+        for piece, labelled in pieces:
+            if labelled:
+                spans.append((pos, pos + len(piece)))
+            pos += len(piece)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        if ids.count(self.pad_id) != len(image_tokens):  # e.g. a literal <|image_pad|> in the text
+            raise SkipSample("image_count_mismatch", f"{ids.count(self.pad_id)} image pads, {len(image_tokens)} images")
+        # A token is a label when it lies inside a reply span (the reply's text and its <|im_end|>).
+        labelled = [any(s <= a and b <= e for s, e in spans) for a, b in offsets]
+        out_ids: list[int] = []
+        out_labels: list[int] = []
+        runs = iter(image_tokens)
+        for tok, is_label in zip(ids, labelled):
+            count = next(runs) if tok == self.pad_id else 1
+            out_ids += [tok] * count
+            out_labels += [tok if is_label else IGNORE_INDEX] * count
+        return np.asarray(out_ids, np.int64), np.asarray(out_labels, np.int64)

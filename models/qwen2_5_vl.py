@@ -1,0 +1,131 @@
+"""Qwen2.5-VL split into its two trainable halves, built from transformers' own classes.
+
+Nothing here re-implements the model: `VisionModel` wraps transformers'
+`Qwen2_5_VisionTransformerPretrainedModel` (patch embed, 32 blocks, merger) and `TextModel` wraps
+`Qwen2_5_VLTextModel` (token embedding, decoder) plus the `lm_head` Linear, exactly the modules that
+`Qwen2_5_VLForConditionalGeneration` holds. Parameter names map 1:1 onto the Hugging Face checkpoint
+names (`hf_name`), which is what lets a stage load only its own tensors from a checkpoint and lets an
+export be read back by `Qwen2_5_VLForConditionalGeneration.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from torch import nn
+from transformers import Qwen2_5_VLConfig
+from transformers.loss.loss_utils import fixed_cross_entropy
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+    Qwen2_5_VLTextModel,
+)
+
+IGNORE_INDEX = -100
+
+
+class VisionModel(nn.Module):
+    """Pixels -> merged vision embeddings, in the raster order the text stage expects.
+
+    Input: `pixel_values` [P, C*T*p*p] (P patches of all images, concatenated, in the image
+    processor's order) and `grid_thw` [n_images, 3]. Output: [P / merge_size**2, text_hidden].
+    """
+
+    def __init__(self, config: Qwen2_5_VLConfig):
+        super().__init__()
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        self.out_dim = config.vision_config.out_hidden_size
+        self.merge_unit = config.vision_config.spatial_merge_size**2
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        if grid_thw.numel() == 0:  # a text-only micro-batch: nothing to encode, nothing to send
+            return pixel_values.new_zeros(0, self.out_dim)
+        pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        return self.visual(pixel_values, grid_thw=grid_thw).pooler_output
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        return "model." + name
+
+
+class TextModel(nn.Module):
+    """Token ids + vision embeddings -> loss, with the merge of the two done as transformers does it.
+
+    `<|image_pad|>` positions of `input_ids` receive the rows of `vision_embeds` in order
+    (`masked_scatter`, as in `Qwen2_5_VLModel.forward`); positions are the 3-D mRoPE ids.
+    """
+
+    def __init__(self, config: Qwen2_5_VLConfig):
+        super().__init__()
+        text_config = config.text_config
+        self.language_model = Qwen2_5_VLTextModel._from_config(text_config)
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        self.image_token_id = config.image_token_id
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        vision_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, L] ids, [N_img_tokens, H] vision rows, [3, B, L] positions, [B, L] mask -> [B, L, H]."""
+        embeds = self.language_model.embed_tokens(input_ids)
+        image_mask = input_ids == self.image_token_id
+        if int(image_mask.sum()) != vision_embeds.shape[0]:
+            raise ValueError(
+                f"{int(image_mask.sum())} <|image_pad|> tokens but {vision_embeds.shape[0]} vision embeddings"
+            )
+        if vision_embeds.shape[0]:
+            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), vision_embeds.to(embeds.dtype))
+        out = self.language_model(
+            inputs_embeds=embeds, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        )
+        return out.last_hidden_state
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token cross-entropy over labelled positions.
+
+        The logits are computed only where a label exists: the other positions contribute neither to
+        the loss nor to any gradient, and on a 152 k vocabulary they are most of the memory and FLOPs.
+        The shift matches transformers' `ForCausalLMLoss` (position i predicts label i+1).
+        """
+        shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        keep = shift_labels != IGNORE_INDEX
+        logits = self.lm_head(hidden[keep]).float()
+        return fixed_cross_entropy(logits, shift_labels[keep], num_items_in_batch=1)
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        return name if name.startswith("lm_head.") else "model." + name
+
+
+def count_label_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry loss after the causal shift: the denominator of the mean loss."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def rope_positions(
+    input_ids: torch.Tensor, image_grid_thw: torch.Tensor, config: Qwen2_5_VLConfig
+) -> torch.Tensor:
+    """3-D mRoPE position ids [3, L] of one unpadded sample, computed by transformers' `get_rope_index`.
+
+    `get_rope_index` is a method of `Qwen2_5_VLModel` but reads only `config` and the static
+    `get_vision_position_ids`; a stand-in `self` lets the data pipeline call it without a model.
+    """
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    stand_in = types.SimpleNamespace(
+        config=config,
+        get_vision_position_ids=functools.partial(Qwen2_5_VLModel.get_vision_position_ids, None),
+    )
+    ids = input_ids.view(1, -1)
+    token_types = (ids == config.image_token_id).int()
+    grid = image_grid_thw if image_grid_thw.numel() else None
+    positions, _ = Qwen2_5_VLModel.get_rope_index(
+        stand_in, ids, mm_token_type_ids=token_types, image_grid_thw=grid
+    )
+    return positions[:, 0]

@@ -1,0 +1,124 @@
+"""Hugging Face checkpoint directories in and out, one stage's tensors at a time.
+
+A stage reads only the tensors it owns (`safe_open` + `get_tensor` per key, never the whole file), so a
+vision actor never materialises the language model. Missing, unexpected or mis-shaped tensors are
+errors: a silently random-initialised weight is the worst possible failure of a fine-tuning run.
+Names are the transformers 5 names (`model.visual.*`, `model.language_model.*`, `lm_head.*`); the
+original Qwen2.5-VL release names (`visual.*`, `model.*`) are mapped onto them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+INDEX_FILE = "model.safetensors.index.json"
+_LEGACY = [  # original release names -> transformers 5 names
+    (re.compile(r"^visual\."), "model.visual."),
+    (re.compile(r"^model\.(?!visual\.|language_model\.)"), "model.language_model."),
+]
+
+
+def canonical_name(name: str) -> str:
+    for pattern, repl in _LEGACY:
+        if pattern.match(name):
+            return pattern.sub(repl, name, count=1)
+    return name
+
+
+def checkpoint_index(path: str | os.PathLike) -> dict[str, tuple[Path, str]]:
+    """Canonical tensor name -> (safetensors file holding it, the name it is stored under)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model.path {root} is not a directory")
+    index = root / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: root / file for name, file in weight_map.items()}
+    else:
+        files = {}
+        for file in sorted(root.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as f:
+                files.update({name: file for name in f.keys()})
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {root}")
+    return {canonical_name(name): (file, name) for name, file in files.items()}
+
+
+def load_stage_weights(module: nn.Module, hf_name, path: str | os.PathLike, prefixes: tuple[str, ...]) -> None:
+    """Fill `module` from the checkpoint at `path`; `hf_name` maps a module name to a checkpoint name.
+
+    `prefixes` are the checkpoint-name prefixes this stage owns: any checkpoint tensor under them that
+    the module does not expect is reported, as is any expected tensor the checkpoint lacks.
+    """
+    index = checkpoint_index(path)
+    expected = {hf_name(n): n for n in module.state_dict(keep_vars=False)}
+    tied = _tied_names(module, hf_name)
+    present = {n for n in index if n.startswith(prefixes)}
+    missing = sorted(set(expected) - present - tied)
+    unexpected = sorted(present - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}"
+            f" ({len(missing)}), unexpected {unexpected[:8]} ({len(unexpected)})"
+        )
+    state = {}
+    for name, local in expected.items():
+        if name not in present:
+            continue  # tied to a tensor loaded under its other name
+        file, stored_as = index[name]
+        with safe_open(file, framework="pt") as f:
+            state[local] = f.get_tensor(stored_as)
+    own = module.state_dict()
+    for local, tensor in state.items():
+        if tensor.shape != own[local].shape:
+            name = next(h for h, n in expected.items() if n == local)
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model shape {tuple(own[local].shape)}")
+    module.load_state_dict(state, strict=not tied)
+
+
+def _tied_names(module: nn.Module, hf_name) -> set[str]:
+    """Checkpoint names that share storage with an earlier parameter (tied lm_head / embedding)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key in seen:
+            tied.add(hf_name(name))
+        seen[key] = name
+    return tied
+
+
+def stage_state_for_export(module: nn.Module, hf_name) -> dict[str, torch.Tensor]:
+    """Module state under checkpoint names, tied duplicates dropped, contiguous CPU copies."""
+    tied = _tied_names(module, hf_name)
+    return {
+        hf_name(n): t.detach().to("cpu", copy=True).contiguous()
+        for n, t in module.state_dict().items()
+        if hf_name(n) not in tied
+    }
+
+
+def save_shard(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, filename: str) -> dict[str, str]:
+    """Write one safetensors shard; returns its part of the index's weight_map."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / filename), metadata={"format": "pt"})
+    return {name: filename for name in state}
+
+
+def write_index(out_dir: str | os.PathLike, weight_map: dict[str, str], config) -> None:
+    """The index and config.json that make `out_dir` loadable by `from_pretrained`."""
+    out = Path(out_dir)
+    total = sum(os.path.getsize(out / f) for f in set(weight_map.values()))
+    (out / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=1)
+    )
+    config.save_pretrained(out)

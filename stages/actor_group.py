@@ -1,0 +1,89 @@
+"""A pool of Ray actors that form one torch.distributed world: one per model stage.
+
+Each actor is its own process, so each pool gets its own default process group (gloo on CPU, nccl on
+GPU) whose collectives never mix with the other pool's. Rank 0 picks a free port; all ranks then join.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+
+
+class DistributedWorker:
+    """Base class of stage workers: process-group setup, thread count, device."""
+
+    def __init__(self, rank: int, world_size: int, torch_threads: int = 1):
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(max(1, torch_threads))
+        if torch.cuda.is_available() and ray.get_gpu_ids():
+            self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+    def address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = 600) -> None:
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        dist.init_process_group(
+            backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
+        )
+
+    def ping(self) -> int:
+        return self.rank
+
+
+class ActorGroup:
+    """N actors of one worker class, with per-actor resources and their own process group."""
+
+    def __init__(
+        self,
+        name: str,
+        worker_cls: type,
+        num_actors: int,
+        init_args: tuple = (),
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        torch_threads: int = 1,
+    ):
+        self.name = name
+        remote_cls = ray.remote(worker_cls)
+        self.actors = [
+            remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, name=None).remote(
+                *init_args, rank=rank, world_size=num_actors, torch_threads=torch_threads
+            )
+            for rank in range(num_actors)
+        ]
+        master_addr, master_port = ray.get(self.actors[0].address.remote())
+        ray.get([a.init_process_group.remote(master_addr, master_port) for a in self.actors])
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Call `method` on every actor with the same arguments; references, in rank order."""
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return ray.get(self.execute_all_async(method, *args, **kwargs))
+
+    def execute_rank_async(self, rank: int, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any:
+        return getattr(self.actors[rank], method).options(num_returns=num_returns).remote(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []

@@ -1,0 +1,244 @@
+"""Typed run configuration: YAML presets in `configs/` plus `KEY=VALUE` overrides, checked up front.
+
+Every key is a dataclass field with a type and a one-line doc (the README's config reference is these
+comments). An unknown key, a wrong type or an out-of-range value stops the run before Ray starts, with a
+message that names the key, the expected type and the file the value came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # built-in shape: tiny | qwen2_5_vl_3b | qwen2_5_vl_7b | qwen2_5_vl_32b
+    path: str | None = None  # local HF checkpoint dir (config.json + *.safetensors); overrides `name`
+    init_seed: int = 0  # seed of the random init when no `path` is given
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay fp32 (master)
+    tokenizer_path: str | None = None  # tokenizer dir; default: `path`, else the built-in Qwen2.5 BPE
+
+
+@dataclass
+class StageConfig:
+    parallelism: Literal["none", "sequence", "tensor", "zero3"] = "none"
+    num_actors: int = 1  # actors in this pool (= dp x degree)
+    degree: int = 1  # sequence- (vision) or tensor- (text) parallel group size
+    num_cpus_per_actor: float = 1.0  # Ray CPU resource per actor (fractions allowed)
+    num_gpus_per_actor: float = 0.0  # Ray GPU resource per actor (fractions share a GPU)
+    torch_threads: int = 1  # intra-op threads per actor
+    lr_scale: float = 1.0  # this stage's LR = training.lr x lr_scale
+
+
+@dataclass
+class SynthConfig:
+    dir: str = "data/synth"  # where `dhp train` writes the synthetic set if `data.train` is empty
+    num: int = 512  # training records
+    eval_num: int = 64  # held-out records
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    train: str = ""  # annotation file (JSON array or JSONL); empty = the synthetic set
+    eval: str = ""  # held-out annotation file; empty = none (or the synthetic val split)
+    image_root: str = ""  # base of relative `image` paths; empty = the annotation file's folder
+    min_pixels: int = 56 * 56  # smart_resize lower bound (pixels per image)
+    max_pixels: int = 224 * 224  # smart_resize upper bound; larger images are resized down
+    max_seq_len: int = 2048  # longest sample in tokens (vision + text); longer ones are skipped
+    microbatch_tokens: int = 2048  # token budget of one micro-batch (batch x padded length)
+    preprocess_workers: int = 1  # Ray Data actors running decode/resize/patchify/tokenize
+    preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
+    shuffle_seed: int = 0
+    synthetic: SynthConfig = field(default_factory=SynthConfig)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100  # optimizer steps
+    global_batch_size: int = 8  # samples per optimizer step (split into token-budget micro-batches)
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr x min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0  # clip by the global norm over both stages; <= 0 disables
+    seed: int = 0
+    eval_every: int = 50  # steps between eval passes; 0 = only at the end
+    eval_batches: int = 4  # global batches per eval pass
+    log_every: int = 1
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: RAY_ADDRESS if set, else start a local Ray
+    num_cpus: float | None = None  # CPUs of a locally started Ray (None: all)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs"  # runs are written to dir/name
+    name: str | None = None  # None: a timestamp
+    save_final_checkpoint: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    vision: StageConfig = field(default_factory=StageConfig)
+    text: StageConfig = field(default_factory=StageConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS_PACKAGE = "dhp.configs"
+
+
+def preset_path(name: str) -> Path:
+    """`tiny` -> the packaged configs/tiny.yaml; a path is returned as is."""
+    if name.endswith((".yaml", ".yml")) or "/" in name:
+        return Path(name)
+    path = Path(str(resources.files(PRESETS_PACKAGE).joinpath(f"{name}.yaml")))
+    if not path.exists():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"no preset {name!r}; presets: {', '.join(known)} (or give a .yaml path)")
+    return path
+
+
+def load_config(source: str = "tiny", overrides: list[str] | None = None) -> Config:
+    """Preset name or YAML path, then `a.b=value` overrides (values parsed as YAML scalars)."""
+    path = preset_path(source)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
+    config = _build(Config, raw, prefix="", origin=str(path))
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. training.steps=20)")
+        _apply_override(config, key.strip(), yaml.safe_load(text) if text.strip() else None, item)
+    validate(config)
+    return config
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str, origin: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{origin}: unknown key {full!r}; {_known(cls, prefix)}")
+        kwargs[key] = _coerce(hints[key], value, full, origin)
+    return cls(**kwargs)
+
+
+def _known(cls: type, prefix: str) -> str:
+    return "known keys here: " + ", ".join(prefix + f.name for f in dataclasses.fields(cls))
+
+
+def _coerce(tp: Any, value: Any, key: str, origin: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{origin}: {key!r} must be a mapping (section), got {value!r}")
+        return _build(tp, value, prefix=key + ".", origin=origin)
+    origin_tp = typing.get_origin(tp)
+    if origin_tp in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key, origin)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{origin}: {key!r} expects {_type_name(tp)}, got {value!r}")
+    if origin_tp is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{origin}: {key!r} expects one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            got = f"{value!r} ({type(value).__name__})"
+            raise ConfigError(f"{origin}: {key!r} expects {tp.__name__}, got {got}")
+        return value
+    raise ConfigError(f"{origin}: {key!r} has an unsupported type {tp}")  # a bug in this file
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp)]
+    return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+
+
+def _apply_override(config: Config, key: str, value: Any, item: str) -> None:
+    *path, last = key.split(".")
+    target: Any = config
+    for i, part in enumerate(path):
+        if not dataclasses.is_dataclass(target) or not hasattr(target, part):
+            raise ConfigError(f"override {item!r}: unknown key {'.'.join(path[: i + 1])!r}")
+        target = getattr(target, part)
+    if not dataclasses.is_dataclass(target) or last not in {f.name for f in dataclasses.fields(target)}:
+        prefix = ".".join(path) + "." if path else ""
+        known = _known(type(target), prefix) if dataclasses.is_dataclass(target) else ""
+        raise ConfigError(f"override {item!r}: unknown key {key!r}; {known}")
+    tp = typing.get_type_hints(type(target))[last]
+    setattr(target, last, _coerce(tp, value, key, "command line"))
+
+
+def validate(config: Config) -> None:
+    """Value checks that types alone cannot express."""
+    t, d = config.training, config.data
+    checks = [
+        (t.steps >= 1, "training.steps must be >= 1"),
+        (t.global_batch_size >= 1, "training.global_batch_size must be >= 1"),
+        (t.lr > 0, "training.lr must be > 0"),
+        (0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio must be in [0, 1]"),
+        (t.warmup_steps >= 0, "training.warmup_steps must be >= 0"),
+        (d.min_pixels <= d.max_pixels, "data.min_pixels must be <= data.max_pixels"),
+        (d.max_seq_len <= d.microbatch_tokens, "data.max_seq_len must be <= data.microbatch_tokens"),
+        (d.preprocess_workers >= 1, "data.preprocess_workers must be >= 1"),
+    ]
+    for stage in ("vision", "text"):
+        s: StageConfig = getattr(config, stage)
+        checks += [
+            (s.num_actors >= 1, f"{stage}.num_actors must be >= 1"),
+            (
+                s.degree >= 1 and s.num_actors % s.degree == 0,
+                f"{stage}.num_actors must be a multiple of {stage}.degree",
+            ),
+            (s.num_cpus_per_actor >= 0 and s.num_gpus_per_actor >= 0, f"{stage} resources must be >= 0"),
+        ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def save_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

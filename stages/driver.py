@@ -1,0 +1,127 @@
+"""`dhp train`: the training loop of the single controller.
+
+It reads like a single-process script; `Trainer` hides the pools and loaders. The next global batch is
+requested before the current step runs, so preprocessing overlaps compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from tqdm import tqdm
+
+from dhp.dataflow.synth import write_synthetic_dataset
+from dhp.stages.config import Config, save_config
+
+
+def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
+    """(train files, eval files, image root); writes the synthetic set when `data.train` is empty."""
+    d = cfg.data
+    if not d.train:
+        s = d.synthetic
+        synth = write_synthetic_dataset(s.dir, s.num, seed=s.seed, eval_num=s.eval_num)
+        return [str(synth.train_path.resolve())], [str(synth.val_path.resolve())], str(synth.out_dir.resolve())
+    train = [p if "://" in p else os.path.abspath(p) for p in d.train.split(",")]
+    evals = [p if "://" in p else os.path.abspath(p) for p in d.eval.split(",")] if d.eval else []
+    for p in train + evals:
+        if "://" not in p and not os.path.exists(p):
+            raise FileNotFoundError(f"annotation file not found: {p}")
+    root = d.image_root or os.path.dirname(train[0])
+    return train, evals, root if "://" in root else os.path.abspath(root)
+
+
+def make_run_dir(cfg: Config) -> Path:
+    name = cfg.output.name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.output.dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def init_ray(cfg: Config) -> None:
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json)."""
+    from dhp.stages.trainer import Trainer  # imports torch/transformers: after config errors are out
+
+    run_dir = make_run_dir(cfg)
+    train_paths, eval_paths, image_root = resolve_data(cfg)
+    started_ray = not ray.is_initialized()
+    init_ray(cfg)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, train_paths, eval_paths, image_root)
+        summary = _loop(cfg, trainer, run_dir)
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return summary
+
+
+def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
+    t = cfg.training
+    steps, history, eval_loss = t.steps, [], None
+    start = time.perf_counter()
+    pending = trainer.next_batch()
+    with open(run_dir / "metrics.jsonl", "w") as metrics, _progress(steps) as bar:
+        for step in range(1, steps + 1):
+            batch, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
+            record = {"step": step, **trainer.train_step(batch)}
+            if step == steps or (t.eval_every and step % t.eval_every == 0):
+                record["eval_loss"] = eval_loss = trainer.evaluate()
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            history.append(record["loss"])
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if not bar.interactive and (step % max(1, t.log_every * 10) == 0 or step == steps):
+                print(f"step {step}/{steps} loss {record['loss']:.4f} tok/s {record['tokens_per_s']:.0f}", flush=True)
+    if cfg.output.save_final_checkpoint:
+        trainer.save_weights(run_dir / "checkpoint")
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": steps,
+        "first_loss": history[0],
+        "final_loss": sum(history[-5:]) / len(history[-5:]),
+        "eval_loss": eval_loss,
+        "wall_s": time.perf_counter() - start,
+        "skipped": trainer.skip_report(),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+class _progress:
+    """tqdm on a terminal; on a pipe (a Ray Job's log) the loop prints periodic lines instead."""
+
+    def __init__(self, total: int):
+        self.interactive = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc="train", unit="step", disable=not self.interactive)
+
+    def __enter__(self) -> _progress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+
+    def set_postfix(self, **kw: Any) -> None:
+        self.bar.set_postfix(**kw)
