@@ -184,6 +184,11 @@ def _coerce(tp: Any, value: Any, key: str, origin: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             got = f"{value!r} ({type(value).__name__})"

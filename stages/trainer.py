@@ -36,7 +36,13 @@ def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, train_paths: list[str], eval_paths: list[str], image_root: str):
+    def __init__(
+        self,
+        cfg: Config,
+        train_paths: list[str] | None = None,
+        eval_paths: list[str] | None = None,
+        image_root: str = "",
+    ):
         check_layout(cfg)
         self.cfg = cfg
         self.model_config = model_config_of(cfg)
@@ -57,7 +63,7 @@ class Trainer:
             workers=d.preprocess_workers,
             num_cpus=d.preprocess_num_cpus,
         )
-        self.loader = loader_cls.remote(train_paths, seed=d.shuffle_seed, **common)
+        self.loader = loader_cls.remote(train_paths, seed=d.shuffle_seed, **common) if train_paths else None
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **common) if eval_paths else None
         self.vision = self._pool("vision", VisionPool, VisionWorker)
         self.text = self._pool("text", TextPool, TextWorker)
@@ -73,9 +79,8 @@ class Trainer:
     def next_batch(self) -> ray.ObjectRef:
         return self.loader.next_batch.remote()
 
-    def train_step(self, batch: GlobalBatch) -> dict[str, Any]:
-        """Forward/backward of every micro-batch of the global batch, then one clipped step of both pools."""
-        start = time.perf_counter()
+    def accumulate(self, batch: GlobalBatch) -> float:
+        """Forward + backward of every micro-batch; gradients accumulate in the actors. Returns the loss."""
         loss_scale = 1.0 / max(1, batch.label_tokens)  # mean over the global batch's label tokens
         losses = []
         for i, mb in enumerate(batch.microbatches):
@@ -83,10 +88,19 @@ class Trainer:
             loss, embeds_grad = self.text.forward_backward(i, mb.text, embeds, loss_scale)
             self.vision.backward(i, embeds_grad)
             losses.append(loss)
-        loss = sum(ray.get(losses))
+        return sum(ray.get(losses))
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip by the global norm over both stages, step both pools. Returns (grad norm, lr used)."""
         grad_norm = math.sqrt(sum(ray.get(self.vision.grad_sq_norm() + self.text.grad_sq_norm())))
         coef = clip_coefficient(grad_norm, self.cfg.training.max_grad_norm)
         lr = ray.get(self.vision.optimizer_step(coef) + self.text.optimizer_step(coef))[-1]
+        return grad_norm, lr
+
+    def train_step(self, batch: GlobalBatch) -> dict[str, Any]:
+        start = time.perf_counter()
+        loss = self.accumulate(batch)
+        grad_norm, lr = self.optimizer_step()
         elapsed = time.perf_counter() - start
         return {
             "loss": loss,

@@ -1,0 +1,63 @@
+"""Shared fixtures: one local Ray per test session, small images and records on disk, a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray shared by the tests that need one; always shut down."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pixels = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+
+
+@pytest.fixture(scope="session")
+def parity_data(tmp_path_factory) -> Path:
+    """Two images of different sizes, a two-image multi-turn conversation and a one-image sample."""
+    root = tmp_path_factory.mktemp("parity_data")
+    write_image(root / "images/a.png", (150, 100), seed=1)  # 112 x 140 after smart_resize
+    write_image(root / "images/b.png", (60, 90), seed=2)  # smaller: fewer patches than a window
+    records = [
+        {
+            "id": "multi",
+            "image": ["images/a.png", "images/b.png"],
+            "conversations": [
+                {"from": "human", "value": "<image>\nWhat is in the first picture?"},
+                {"from": "gpt", "value": "Noise, mostly."},
+                {"from": "human", "value": "And here? <image>"},
+                {"from": "gpt", "value": "Smaller noise.\nStill noise."},
+            ],
+        },
+        {
+            "id": "single",
+            "image": "images/b.png",
+            "conversations": [
+                {"from": "human", "value": "<image>\nDescribe the image."},
+                {"from": "gpt", "value": "A small patch of random colours."},
+            ],
+        },
+    ]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
