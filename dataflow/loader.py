@@ -98,13 +98,13 @@ class BatchLoader:
         self.global_batch_size = global_batch_size
         self.budget = microbatch_tokens
         self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
-        self.epoch, self.rows = 0, None
+        self.epoch, self.rows, self.exhausted = 0, None, False
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
 
     def _next_row(self) -> dict[str, Any] | None:
-        while True:
+        while not self.exhausted:
             if self.rows is None:
                 seed = None if self.seed is None else self.seed + self.epoch
                 self.rows = iter(build_dataset(*self.args, seed=seed).iter_rows())
@@ -113,10 +113,12 @@ class BatchLoader:
             except StopIteration:
                 self.rows = None
                 if not self.repeat:
+                    self.exhausted = True
                     return None
                 if self.good == 0:
                     raise RuntimeError(f"no usable sample in {self.args[0]}; skipped: {dict(self.skipped)}") from None
                 self.epoch += 1
+        return None
 
     def next_batch(self) -> GlobalBatch | None:
         """The next global batch, or None when a non-repeating stream is exhausted."""

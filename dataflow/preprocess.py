@@ -133,7 +133,10 @@ class Preprocessor:
         image_paths, turns = parse_record(text)
         images = [self.load_image(p) for p in image_paths]
         if images:
-            out = self.image_processor(images=images, return_tensors="np")
+            try:
+                out = self.image_processor(images=images, return_tensors="np")
+            except ValueError as e:  # smart_resize refuses aspect ratios beyond 200:1
+                raise SkipSample("bad_image_shape", str(e)) from None
             pixel_values = out["pixel_values"].astype(np.float32)
             grid = out["image_grid_thw"].astype(np.int64)
         else:
@@ -167,7 +170,7 @@ class Preprocessor:
             raise SkipSample("corrupt_image", f"{rel_path}: {e}") from None
         if min(image.size) < 2:
             raise SkipSample("degenerate_image", f"{rel_path}: size {image.size}")
-        return image.convert("RGB")
+        return image  # the image processor's convert_to_rgb blends transparency onto white, as upstream
 
     def tokenize(self, turns: list[tuple[str, str]], image_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Chat template -> ids with each <image> expanded to its <|image_pad|> run; labels on replies.

@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
+            cfg = load_config(args.config, args.overrides)  # config errors before the heavy imports
             from dhp.stages.driver import train
 
-            summary = train(load_config(args.config, args.overrides))
+            summary = train(cfg)
             print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}, indent=1))
             print(f"skipped records: {summary['skipped']['counts'] or 'none'}")
         elif args.command == "config":
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "data" and args.data_command == "synth":
             from dhp.dataflow.synth import write_synthetic_dataset
 
+            if args.num < 1 or (args.eval_num is not None and args.eval_num < 0):
+                raise ConfigError(f"--num must be >= 1 and --eval-num >= 0 (got {args.num}, {args.eval_num})")
             s = write_synthetic_dataset(args.out, args.num, seed=args.seed, eval_num=args.eval_num)
             state = "already present" if s.reused else "written"
             print(f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images {state} in {s.out_dir}")

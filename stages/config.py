@@ -128,22 +128,39 @@ def preset_path(name: str) -> Path:
 def load_config(source: str = "tiny", overrides: list[str] | None = None) -> Config:
     """Preset name or YAML path, then `a.b=value` overrides (values parsed as YAML scalars)."""
     path = preset_path(source)
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
     config = _build(Config, raw, prefix="", origin=str(path))
     for item in overrides or []:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. training.steps=20)")
-        _apply_override(config, key.strip(), yaml.safe_load(text) if text.strip() else None, item)
+            raise ConfigError(f"command line: override {item!r} is not KEY=VALUE (e.g. training.steps=20)")
+        _apply_override(config, key.strip(), text, item)
     validate(config)
     return config
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _parse_override(tp: Any, text: str, item: str) -> Any:
+    """Override text -> value. Strings stay verbatim (`output.name=2024` is a name, not a number)."""
+    args = typing.get_args(tp)
+    if tp is str or (str in args and not any(a in args for a in (int, float, bool))):
+        return None if text.strip() in ("", "null", "~") and type(None) in args else text
+    if not text.strip():
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"command line: override {item!r}: value is not valid YAML: {_one_line(e)}") from None
 
 
 def _build(cls: type, raw: dict[str, Any], prefix: str, origin: str) -> Any:
@@ -202,19 +219,26 @@ def _type_name(tp: Any) -> str:
     return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
 
 
-def _apply_override(config: Config, key: str, value: Any, item: str) -> None:
+def _apply_override(config: Config, key: str, text: str, item: str) -> None:
     *path, last = key.split(".")
     target: Any = config
     for i, part in enumerate(path):
-        if not dataclasses.is_dataclass(target) or not hasattr(target, part):
-            raise ConfigError(f"override {item!r}: unknown key {'.'.join(path[: i + 1])!r}")
+        if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
+            raise ConfigError(f"command line: override {item!r}: unknown key {'.'.join(path[: i + 1])!r}")
         target = getattr(target, part)
     if not dataclasses.is_dataclass(target) or last not in {f.name for f in dataclasses.fields(target)}:
         prefix = ".".join(path) + "." if path else ""
-        known = _known(type(target), prefix) if dataclasses.is_dataclass(target) else ""
-        raise ConfigError(f"override {item!r}: unknown key {key!r}; {known}")
+        known = "; " + _known(type(target), prefix) if dataclasses.is_dataclass(target) else ""
+        raise ConfigError(f"command line: override {item!r}: unknown key {key!r}{known}")
     tp = typing.get_type_hints(type(target))[last]
-    setattr(target, last, _coerce(tp, value, key, "command line"))
+    if dataclasses.is_dataclass(tp):
+        value = _parse_override(dict, text, item)
+        if not isinstance(value, dict):
+            raise ConfigError(f"command line: {key!r} is a section: override its keys ({key}.KEY=VALUE)")
+        merged = dataclasses.asdict(getattr(target, last)) | value  # a partial section keeps the rest
+        setattr(target, last, _coerce(tp, merged, key, "command line"))
+        return
+    setattr(target, last, _coerce(tp, _parse_override(tp, text, item), key, "command line"))
 
 
 def validate(config: Config) -> None:
