@@ -35,8 +35,8 @@ class VisionWorker(StageWorker):
         return embeds.detach().float().cpu()
 
     def backward(self, mb_id: int, grad: torch.Tensor) -> int:
-        embeds = self.pending.pop(mb_id)
-        if embeds.numel():
+        embeds = self.pending.pop(mb_id, None)  # None: a text-only micro-batch had nothing to encode
+        if embeds is not None and embeds.numel():
             embeds.backward(grad.to(device=embeds.device, dtype=embeds.dtype))
         return mb_id
 

@@ -35,7 +35,7 @@ def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
 
 @pytest.fixture(scope="session")
 def parity_data(tmp_path_factory) -> Path:
-    """Two images of different sizes, a two-image multi-turn conversation and a one-image sample."""
+    """Two images of different sizes: a two-image multi-turn conversation, a one-image and a text-only sample."""
     root = tmp_path_factory.mktemp("parity_data")
     write_image(root / "images/a.png", (150, 100), seed=1)  # 112 x 140 after smart_resize
     write_image(root / "images/b.png", (60, 90), seed=2)  # smaller: fewer patches than a window
@@ -56,6 +56,13 @@ def parity_data(tmp_path_factory) -> Path:
             "conversations": [
                 {"from": "human", "value": "<image>\nDescribe the image."},
                 {"from": "gpt", "value": "A small patch of random colours."},
+            ],
+        },
+        {
+            "id": "text-only",
+            "conversations": [
+                {"from": "human", "value": "Name a colour."},
+                {"from": "gpt", "value": "Teal."},
             ],
         },
     ]
