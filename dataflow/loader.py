@@ -10,6 +10,7 @@ vision pool is handed the vision refs, the text pool the text refs.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ def build_dataset(
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # same seed -> same batches, across runs and resumes
     ctx.enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-epoch execution plans are noise here
     # Small CPU requests: Ray Data's default of one CPU per task would wait forever on a small machine
     # whose CPUs are held by the stage actors.
     ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0.05)

@@ -78,7 +78,6 @@ class TrainingConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # clip by the global norm over both stages; <= 0 disables
-    seed: int = 0
     eval_every: int = 50  # steps between eval passes; 0 = only at the end
     eval_batches: int = 4  # global batches per eval pass
     log_every: int = 1

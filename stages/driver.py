@@ -56,8 +56,10 @@ def init_ray(cfg: Config) -> None:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json)."""
+    from dhp.stages.pools import check_layout
     from dhp.stages.trainer import Trainer  # imports torch/transformers: after config errors are out
 
+    check_layout(cfg)  # before Ray starts or anything is written
     run_dir = make_run_dir(cfg)
     train_paths, eval_paths, image_root = resolve_data(cfg)
     started_ray = not ray.is_initialized()
