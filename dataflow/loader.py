@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
@@ -26,7 +27,7 @@ MAX_SKIP_EXAMPLES = 50  # skipped records kept with their location per loader (f
 
 @dataclass
 class MicroBatch:
-    vision: ray.ObjectRef  # dict: pixel_values [P, 1176], image_grid_thw [n, 3]
+    vision: list[ray.ObjectRef]  # per vision rank of the replica: dict pixel_values [P_j, 1176], image_grid_thw
     text: ray.ObjectRef  # dict: input_ids/labels/attention_mask [B, L], position_ids [3, B, L]
     meta: MicroBatchMeta
 
@@ -46,11 +47,33 @@ class GlobalBatch:
         return sum(m.meta.tokens for m in self.microbatches)
 
 
-def split_records(row: dict[str, Any], seed: int | None) -> list[dict[str, str]]:
+def split_for_ranks(
+    vision: dict[str, torch.Tensor], text: dict[str, torch.Tensor], sp: int, model_config: Any
+) -> list[dict[str, torch.Tensor]]:
+    """The vision inputs of each vision rank of a replica (one part without sequence parallelism).
+
+    Under sequence parallelism rank r gets only its window-ordered patches (`ShardPlan.shard`) plus the
+    grid sizes; the text side gets `merged_index`, the raster position of each window-ordered merged
+    token, which is how it reassembles the ranks' shards (stages/boundary.py).
+    """
+    if sp <= 0:
+        return [vision]
+    from dhp.models.sequence_parallel import plan_shards
+
+    grid = vision["image_grid_thw"]
+    if grid.numel() == 0:  # text-only: every rank gets the same empty input and skips the encoder
+        return [vision] * sp
+    plan = plan_shards(grid, sp, model_config)
+    text["merged_index"] = plan.window_index.long()
+    return [{"pixel_values": plan.shard(vision["pixel_values"], r), "image_grid_thw": grid} for r in range(sp)]
+
+
+def split_records(row: dict[str, Any], seed: int | None, replica: int = 0, num_replicas: int = 1) -> list[dict]:
     """One annotation file (JSONL or a JSON array) -> one row per record, its JSON kept as text.
 
     Records stay text until the preprocessor parses them, so one bad line is one counted skip rather
-    than a failed read. With a seed, the records of the file are permuted (per-epoch shuffle).
+    than a failed read. With a seed, the records of the file are permuted (per-epoch shuffle); then
+    data-parallel replica r keeps every num_replicas-th record starting at r: disjoint streams.
     """
     path, text = row["path"], row["bytes"].decode("utf-8", errors="replace")
     stripped = text.lstrip()
@@ -65,12 +88,12 @@ def split_records(row: dict[str, Any], seed: int | None) -> list[dict[str, str]]
         rows = [{"source": f"{path}:{i + 1}", "record": line} for i, line in enumerate(lines) if line.strip()]
     if seed is not None:
         random.Random(seed).shuffle(rows)
-    return rows
+    return rows[replica::num_replicas]
 
 
 def build_dataset(
     paths: list[str], settings: PreprocessSettings, model_config: Any, workers: int, num_cpus: float,
-    seed: int | None,
+    seed: int | None, replica: int = 0, num_replicas: int = 1,
 ) -> ray.data.Dataset:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # same seed -> same batches, across runs and resumes
@@ -79,7 +102,8 @@ def build_dataset(
     # Small CPU requests: Ray Data's default of one CPU per task would wait forever on a small machine
     # whose CPUs are held by the stage actors.
     ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0.05)
-    ds = ds.flat_map(split_records, fn_kwargs={"seed": seed}, num_cpus=0.05)
+    split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas}
+    ds = ds.flat_map(split_records, fn_kwargs=split_args, num_cpus=0.05)
     return ds.map(
         Preprocessor,
         fn_constructor_args=(settings, model_config),
@@ -94,9 +118,11 @@ class BatchLoader:
     def __init__(
         self, paths: list[str], settings: PreprocessSettings, model_config: Any, global_batch_size: int,
         microbatch_tokens: int, workers: int = 1, num_cpus: float = 0.25, seed: int | None = 0,
-        pad_id: int = 151643, repeat: bool = True,
+        pad_id: int = 151643, repeat: bool = True, replica: int = 0, num_replicas: int = 1, vision_sp: int = 0,
     ):
         self.args = (paths, settings, model_config, workers, num_cpus)
+        self.shard = {"replica": replica, "num_replicas": num_replicas}
+        self.vision_sp = vision_sp  # > 0: sequence-parallel vision, each rank gets only its own patches
         self.global_batch_size = global_batch_size
         self.budget = microbatch_tokens
         self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
@@ -109,7 +135,7 @@ class BatchLoader:
         while not self.exhausted:
             if self.rows is None:
                 seed = None if self.seed is None else self.seed + self.epoch
-                self.rows = iter(build_dataset(*self.args, seed=seed).iter_rows())
+                self.rows = iter(build_dataset(*self.args, seed=seed, **self.shard).iter_rows())
             try:
                 return next(self.rows)
             except StopIteration:
@@ -143,7 +169,9 @@ class BatchLoader:
         for group in pack([s["input_ids"].shape[0] for s in samples], self.budget):
             chosen = [samples[i] for i in group]
             vision, text = vision_inputs(chosen), text_inputs(chosen, self.pad_id)
-            microbatches.append(MicroBatch(ray.put(vision), ray.put(text), meta_of(vision, text)))
+            meta = meta_of(vision, text)
+            parts = split_for_ranks(vision, text, self.vision_sp, self.args[2])
+            microbatches.append(MicroBatch([ray.put(p) for p in parts], ray.put(text), meta))
         return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before))
 
     def skip_report(self) -> dict[str, Any]:

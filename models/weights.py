@@ -60,7 +60,7 @@ def load_stage_weights(module: nn.Module, hf_name, path: str | os.PathLike, pref
     """
     index = checkpoint_index(path)
     expected = {hf_name(n): n for n in module.state_dict(keep_vars=False)}
-    tied = _tied_names(module, hf_name)
+    tied = tied_names(module, hf_name)
     present = {n for n in index if n.startswith(prefixes)}
     missing = sorted(set(expected) - present - tied)
     unexpected = sorted(present - set(expected))
@@ -84,7 +84,7 @@ def load_stage_weights(module: nn.Module, hf_name, path: str | os.PathLike, pref
     module.load_state_dict(state, strict=not tied)
 
 
-def _tied_names(module: nn.Module, hf_name) -> set[str]:
+def tied_names(module: nn.Module, hf_name) -> set[str]:
     """Checkpoint names that share storage with an earlier parameter (tied lm_head / embedding)."""
     seen: dict[int, str] = {}
     tied = set()
@@ -94,16 +94,6 @@ def _tied_names(module: nn.Module, hf_name) -> set[str]:
             tied.add(hf_name(name))
         seen[key] = name
     return tied
-
-
-def stage_state_for_export(module: nn.Module, hf_name) -> dict[str, torch.Tensor]:
-    """Module state under checkpoint names, tied duplicates dropped, contiguous CPU copies."""
-    tied = _tied_names(module, hf_name)
-    return {
-        hf_name(n): t.detach().to("cpu", copy=True).contiguous()
-        for n, t in module.state_dict().items()
-        if hf_name(n) not in tied
-    }
 
 
 def save_shard(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, filename: str) -> dict[str, str]:

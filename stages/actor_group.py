@@ -33,7 +33,12 @@ class DistributedWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = 600) -> None:
+    def init_process_group(self, master_addr: str, master_port: int, degree: int = 1, timeout_s: float = 600) -> None:
+        """Join the pool's world, then split it into model-parallel groups (consecutive ranks, one per
+        data-parallel replica) and data-parallel groups (same position across replicas).
+
+        Every rank creates every group in the same order, as `new_group` requires.
+        """
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -41,6 +46,19 @@ class DistributedWorker:
         dist.init_process_group(
             backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
         )
+        self.degree, self.dp = degree, self.world_size // degree
+        self.replica, self.model_rank = divmod(self.rank, degree)
+        for r in range(self.dp):
+            group = dist.new_group(list(range(r * degree, (r + 1) * degree)))
+            if r == self.replica:
+                self.model_group = group
+        for m in range(degree):
+            group = dist.new_group([m + r * degree for r in range(self.dp)])
+            if m == self.model_rank:
+                self.dp_group = group
+
+    def setup(self) -> None:
+        """Work that needs the process groups (model construction in stage workers)."""
 
     def ping(self) -> int:
         return self.rank
@@ -58,8 +76,11 @@ class ActorGroup:
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
         torch_threads: int = 1,
+        degree: int = 1,
     ):
-        self.name = name
+        if num_actors % degree:
+            raise ValueError(f"{name}: {num_actors} actors cannot form groups of {degree}")
+        self.name, self.degree, self.dp = name, degree, num_actors // degree
         remote_cls = ray.remote(worker_cls)
         self.actors = [
             remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, name=None).remote(
@@ -68,10 +89,15 @@ class ActorGroup:
             for rank in range(num_actors)
         ]
         master_addr, master_port = ray.get(self.actors[0].address.remote())
-        ray.get([a.init_process_group.remote(master_addr, master_port) for a in self.actors])
+        ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
+        ray.get([a.setup.remote() for a in self.actors])
 
     def __len__(self) -> int:
         return len(self.actors)
+
+    def replica(self, i: int) -> list:
+        """The actors of data-parallel replica i, in model-parallel rank order."""
+        return self.actors[i * self.degree : (i + 1) * self.degree]
 
     def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Call `method` on every actor with the same arguments; references, in rank order."""

@@ -57,9 +57,9 @@ def init_ray(cfg: Config) -> None:
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json)."""
     from dhp.stages.pools import check_layout
-    from dhp.stages.trainer import Trainer  # imports torch/transformers: after config errors are out
+    from dhp.stages.trainer import Trainer, model_config_of  # heavy imports: after config errors are out
 
-    check_layout(cfg)  # before Ray starts or anything is written
+    check_layout(cfg, model_config_of(cfg))  # before Ray starts or anything is written
     run_dir = make_run_dir(cfg)
     train_paths, eval_paths, image_root = resolve_data(cfg)
     started_ray = not ray.is_initialized()
@@ -83,8 +83,8 @@ def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
     pending = trainer.next_batch()
     with open(run_dir / "metrics.jsonl", "w") as metrics, _progress(steps) as bar:
         for step in range(1, steps + 1):
-            batch, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
-            record = {"step": step, **trainer.train_step(batch)}
+            batches, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
+            record = {"step": step, **trainer.train_step(batches)}
             if step == steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()
             metrics.write(json.dumps(record) + "\n")

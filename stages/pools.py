@@ -1,9 +1,9 @@
 """The two stage pools as the driver sees them: each call returns object references at once.
 
-Layout today: one actor per pool (`parallelism: none`); the sequence/tensor-parallel layouts extend
-these methods (fan a micro-batch out to a replica's ranks, pick rank 0's loss) without changing the
-driver. Every reference returned here can be handed straight to the other pool: Ray moves the tensor
-actor to actor through the object store, the driver never fetches it.
+A pool is `dp x degree` actors: data-parallel replica i is actors [i*degree, (i+1)*degree), its ranks
+sharing one sample stream (sequence- or tensor-parallel inside the replica). Vision replica i feeds text
+replica i, so both pools must have the same number of replicas. Every reference returned here can be
+handed straight to the other pool: Ray moves the tensor actor to actor, the driver never fetches it.
 """
 
 from __future__ import annotations
@@ -13,43 +13,104 @@ import ray
 from dhp.stages.actor_group import ActorGroup
 from dhp.stages.config import Config, ConfigError
 
+AVAILABLE = {"vision": ("none", "sequence"), "text": ("none", "tensor")}  # layouts this version implements
 
-def check_layout(cfg: Config) -> None:
+
+def data_parallel_size(cfg: Config) -> int:
+    return cfg.vision.num_actors // cfg.vision.degree
+
+
+def check_layout(cfg: Config, model_config=None) -> None:
+    """Refuse, before anything starts, layouts that cannot run, saying what would.
+
+    With the model's config, also the shape constraints: vision heads divisible by the SP degree,
+    text heads / KV heads / vocabulary splittable by the TP degree.
+    """
     for stage in ("vision", "text"):
         s = getattr(cfg, stage)
-        if s.parallelism != "none" or s.num_actors != 1 or s.degree != 1:
+        if s.parallelism not in AVAILABLE[stage]:
             raise ConfigError(
-                f"{stage}.parallelism={s.parallelism!r} with num_actors={s.num_actors}, degree={s.degree} is not "
-                f"available in this version: use {stage}.parallelism=none {stage}.num_actors=1 {stage}.degree=1"
+                f"{stage}.parallelism={s.parallelism!r} is not available in this version; "
+                f"available for {stage}: {', '.join(AVAILABLE[stage])}"
             )
+        if s.parallelism == "none" and s.degree != 1:
+            raise ConfigError(
+                f"{stage}.degree={s.degree} needs a parallel layout; with {stage}.parallelism=none use "
+                f"{stage}.degree=1 ({stage}.num_actors then counts data-parallel replicas)"
+            )
+    dp_v, dp_t = cfg.vision.num_actors // cfg.vision.degree, cfg.text.num_actors // cfg.text.degree
+    if dp_v != dp_t:
+        raise ConfigError(
+            f"vision has {dp_v} data-parallel replicas (num_actors {cfg.vision.num_actors} / degree "
+            f"{cfg.vision.degree}) but text has {dp_t}: each vision replica feeds one text replica, so they "
+            f"must match, e.g. text.num_actors={dp_v * cfg.text.degree}"
+        )
+    if model_config is not None:
+        from dhp.models.sequence_parallel import check_sp_degree
+        from dhp.models.tensor_parallel import check_tp_degree
+
+        try:
+            if cfg.vision.parallelism == "sequence":
+                check_sp_degree(model_config.vision_config.num_heads, cfg.vision.degree)
+            if cfg.text.parallelism == "tensor":
+                check_tp_degree(cfg.text.degree, model_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.training.global_batch_size % dp_v:
+        raise ConfigError(
+            f"training.global_batch_size={cfg.training.global_batch_size} is not divisible by the {dp_v} "
+            f"data-parallel replicas"
+        )
 
 
 class StagePool(ActorGroup):
+    def sync_grads(self) -> list[ray.ObjectRef]:
+        """Sum gradients across data-parallel replicas (every rank joins)."""
+        return self.execute_all_async("sync_grads")
+
     def grad_sq_norm(self) -> list[ray.ObjectRef]:
+        """Squared norm contributions; summed over all ranks they give the pool's squared grad norm."""
         return self.execute_all_async("grad_sq_norm")
 
     def optimizer_step(self, clip_coef: float) -> list[ray.ObjectRef]:
         return self.execute_all_async("optimizer_step", clip_coef)
 
+    def local_states(self, replica: int = 0, grads: bool = False) -> list[ray.ObjectRef]:
+        """Refs of each model-parallel rank's local parameters (or gradients) in one replica."""
+        return [a.local_state.remote(grads) for a in self.replica(replica)]
+
+    def save_weights(self, out_dir: str) -> ray.ObjectRef:
+        """Rank 0 of replica 0 writes the stage's full tensors; the other ranks' shards go to it by ref."""
+        first, *others = self.replica(0)
+        return first.save_weights.remote(out_dir, *[a.local_state.remote() for a in others])
+
 
 class VisionPool(StagePool):
-    def forward(self, mb_id: int, inputs: ray.ObjectRef) -> ray.ObjectRef:
-        """-> ref of merged embeddings [N_image_tokens, text_hidden], raster order."""
-        return self.actors[0].forward.remote(mb_id, inputs)
+    def forward(self, replica: int, mb_id: int, inputs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """inputs[j]: rank j's pixels -> refs of the merged-token shards, one per rank (boundary.py)."""
+        return [a.forward.remote(mb_id, x) for a, x in zip(self.replica(replica), inputs)]
 
-    def backward(self, mb_id: int, grad: ray.ObjectRef) -> ray.ObjectRef:
-        return self.actors[0].backward.remote(mb_id, grad)
+    def backward(self, replica: int, mb_id: int, grads: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        return [a.backward.remote(mb_id, g) for a, g in zip(self.replica(replica), grads)]
 
-    def forward_eval(self, inputs: ray.ObjectRef) -> ray.ObjectRef:
-        return self.actors[0].forward_eval.remote(inputs)
+    def forward_eval(self, replica: int, inputs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        return [a.forward_eval.remote(x) for a, x in zip(self.replica(replica), inputs)]
 
 
 class TextPool(StagePool):
     def forward_backward(
-        self, mb_id: int, inputs: ray.ObjectRef, embeds: ray.ObjectRef, loss_scale: float
-    ) -> tuple[ray.ObjectRef, ray.ObjectRef]:
-        """-> (ref of this micro-batch's scaled loss, ref of d loss / d embeds)."""
-        return self.actors[0].forward_backward.options(num_returns=2).remote(mb_id, inputs, embeds, loss_scale)
+        self, replica: int, mb_id: int, inputs: ray.ObjectRef, shards: list[ray.ObjectRef], loss_scale: float
+    ) -> tuple[ray.ObjectRef, list[ray.ObjectRef]]:
+        """-> (ref of the micro-batch's scaled loss, refs of d loss / d shard, one per vision rank).
 
-    def forward_eval(self, inputs: ray.ObjectRef, embeds: ray.ObjectRef) -> ray.ObjectRef:
-        return self.actors[0].forward_eval.remote(inputs, embeds)
+        Every rank of the replica runs (tensor-parallel collectives need all of them); rank 0's loss and
+        gradients are the replica's — the others are identical copies.
+        """
+        outs = [
+            a.forward_backward.options(num_returns=1 + len(shards)).remote(mb_id, inputs, loss_scale, *shards)
+            for a in self.replica(replica)
+        ]
+        return outs[0][0], list(outs[0][1:])
+
+    def forward_eval(self, replica: int, inputs: ray.ObjectRef, shards: list[ray.ObjectRef]) -> ray.ObjectRef:
+        return [a.forward_eval.remote(inputs, *shards) for a in self.replica(replica)][0]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from dhp.models.weights import load_stage_weights, save_shard, stage_state_for_export
+from dhp.models.weights import load_stage_weights, save_shard, tied_names
 from dhp.stages.actor_group import DistributedWorker
 from dhp.stages.config import Config
 
@@ -61,27 +61,67 @@ class StageWorker(DistributedWorker):
     def __init__(self, cfg: Config, model_config: Any, rank: int, world_size: int, torch_threads: int = 1):
         super().__init__(rank, world_size, torch_threads)
         self.cfg, self.model_config = cfg, model_config
-        torch.manual_seed(cfg.model.init_seed)
-        self.model = self.build_model(model_config)
-        if cfg.model.path:
-            load_stage_weights(self.model, self.model.hf_name, cfg.model.path, self.owned_prefixes)
+        self.stage_cfg = getattr(cfg, self.stage)
+
+    def setup(self) -> None:
+        """Build (same seed on every rank), load, parallelize, then the optimizer over what this rank holds.
+
+        Runs after the process groups exist, since the parallel layouts need them.
+        """
+        torch.manual_seed(self.cfg.model.init_seed)
+        self.grad_sync_group = self.dp_group  # data-parallel replicas; parallelize() may widen it
+        self.model = self.build_model(self.model_config)
+        if self.cfg.model.path:
+            load_stage_weights(self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes)
+        self.parallelize()
         self.model.to(self.device).train()
-        stage_cfg = getattr(cfg, self.stage)
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg, stage_cfg.lr_scale)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg, self.stage_cfg.lr_scale)
+        self._synced = False  # gradients summed over data-parallel replicas for this step?
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
+
+    def parallelize(self) -> None:
+        """Apply the stage's layout to `self.model` inside `self.model_group` (none: nothing to do)."""
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def sync_grads(self) -> None:
+        """Sum gradients over `grad_sync_group` (data-parallel replicas; the whole pool under SP), flat.
+
+        A parameter that got no gradient on this rank (e.g. a replica whose micro-batches held no image)
+        contributes zeros, so every rank all-reduces the same buffer (invariant 2: no data-dependent
+        collectives).
+        """
+        import torch.distributed as dist
+
+        group = self.grad_sync_group
+        if self._synced or (self.world_size if group is None else dist.get_world_size(group)) == 1:
+            return  # idempotent: a second sync in the same step would double the gradients
+        self._synced = True
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
+        dist.all_reduce(flat, group=group)
+        for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
+            p.grad.copy_(synced)
+
     def grad_sq_norm(self) -> float:
-        """Sum of squared gradient entries of this stage (0 for parameters without a gradient)."""
+        """This rank's share of the pool's squared gradient norm (call after `sync_grads`).
+
+        Replicas hold identical gradients after the sync, so only replica 0 reports; inside it a sharded
+        parameter (`_dhp_sharded`) is counted on every rank, a replicated one on model-parallel rank 0.
+        """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.replica != 0:
+            return 0.0
         for p in self.model.parameters():
-            if p.grad is not None:
+            if p.grad is not None and (getattr(p, "_dhp_sharded", False) or self.model_rank == 0):
                 total += p.grad.detach().double().pow(2).sum()
         return float(total)
 
@@ -92,23 +132,32 @@ class StageWorker(DistributedWorker):
                 if p.grad is not None:
                     p.grad.mul_(clip_coef)
         lr = self.optimizer.param_groups[0]["lr"]
+        self._synced = False
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return lr
 
-    def parameters_hf(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters under checkpoint names (CPU copies): for tests and export."""
-        return stage_state_for_export(self.model, self.model.hf_name)
+    def local_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's parameters (or gradients) under module names, CPU copies: shards under TP."""
+        if grads:
+            return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {n: t.detach().cpu().clone() for n, t in self.model.state_dict().items()}
 
-    def gradients_hf(self) -> dict[str, torch.Tensor]:
-        return {
-            self.model.hf_name(n): p.grad.detach().cpu().clone()
-            for n, p in self.model.named_parameters()
-            if p.grad is not None
-        }
+    def full_state(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Full tensors from the model-parallel ranks' `local_state`s (rank order). Replicated: rank 0's."""
+        return local_states[0]
 
-    def save_weights(self, out_dir: str) -> dict[str, str]:
-        """Write this stage's tensors as one shard of an HF checkpoint dir; returns its weight_map."""
-        state = stage_state_for_export(self.model, self.model.hf_name)
-        return save_shard(state, Path(out_dir), f"model-{self.stage}.safetensors")
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.model.hf_name(n): t for n, t in state.items()}
+
+    def save_weights(self, out_dir: str, *other_ranks: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Write this stage as one shard of an HF checkpoint dir; returns its weight_map.
+
+        Called on model-parallel rank 0 of replica 0 with the other ranks' `local_state`s (passed as
+        object refs by the driver, resolved here: actor to actor).
+        """
+        state = self.full_state([self.local_state(), *other_ranks])
+        tied = tied_names(self.model, self.model.hf_name)
+        out = {k: v.contiguous() for k, v in self.to_hf(state).items() if k not in tied}
+        return save_shard(out, Path(out_dir), f"model-{self.stage}.safetensors")

@@ -18,8 +18,8 @@ from dhp.dataflow.loader import BatchLoader, GlobalBatch
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.models.architectures import architecture_config
 from dhp.models.weights import write_index
-from dhp.stages.config import Config
-from dhp.stages.pools import TextPool, VisionPool, check_layout
+from dhp.stages.config import Config, ConfigError
+from dhp.stages.pools import TextPool, VisionPool, check_layout, data_parallel_size
 from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
 from dhp.stages.vision_worker import VisionWorker
@@ -35,6 +35,20 @@ def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
     return architecture_config(cfg.model.name, cfg.model.attn_implementation)
 
 
+def check_resources(cfg: Config) -> None:
+    """Fail fast when the pools cannot all be placed: otherwise the placed ranks wait forever in rendezvous."""
+    total = ray.cluster_resources()
+    for resource, per_actor in (("CPU", "num_cpus_per_actor"), ("GPU", "num_gpus_per_actor")):
+        need = sum(getattr(s, per_actor) * s.num_actors for s in (cfg.vision, cfg.text))
+        have = total.get(resource, 0.0)
+        if need > have + 1e-9:
+            raise ConfigError(
+                f"the pools need {need:g} {resource} (vision {cfg.vision.num_actors} x "
+                f"{getattr(cfg.vision, per_actor):g}, text {cfg.text.num_actors} x {getattr(cfg.text, per_actor):g}) "
+                f"but the Ray cluster has {have:g}: lower vision/text.{per_actor} or add resources"
+            )
+
+
 class Trainer:
     def __init__(
         self,
@@ -43,9 +57,9 @@ class Trainer:
         eval_paths: list[str] | None = None,
         image_root: str = "",
     ):
-        check_layout(cfg)
         self.cfg = cfg
         self.model_config = model_config_of(cfg)
+        check_layout(cfg, self.model_config)
         d = cfg.data
         settings = PreprocessSettings(
             image_root=image_root,
@@ -55,16 +69,22 @@ class Trainer:
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
         )
         loader_cls = ray.remote(num_cpus=0.1)(BatchLoader)
+        self.dp = data_parallel_size(cfg)
         common = dict(
             settings=settings,
             model_config=self.model_config,
-            global_batch_size=cfg.training.global_batch_size,
+            global_batch_size=cfg.training.global_batch_size // self.dp,  # per replica
             microbatch_tokens=d.microbatch_tokens,
             workers=d.preprocess_workers,
             num_cpus=d.preprocess_num_cpus,
+            vision_sp=cfg.vision.degree if cfg.vision.parallelism == "sequence" else 0,
         )
-        self.loader = loader_cls.remote(train_paths, seed=d.shuffle_seed, **common) if train_paths else None
+        self.loaders = [  # one disjoint sample stream per data-parallel replica
+            loader_cls.remote(train_paths, seed=d.shuffle_seed, replica=r, num_replicas=self.dp, **common)
+            for r in range(self.dp if train_paths else 0)
+        ]
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **common) if eval_paths else None
+        check_resources(cfg)
         self.vision = self._pool("vision", VisionPool, VisionWorker)
         self.text = self._pool("text", TextPool, TextWorker)
         self._eval_batches: list[GlobalBatch] | None = None
@@ -74,45 +94,58 @@ class Trainer:
         return pool_cls(
             stage, worker_cls, s.num_actors, init_args=(self.cfg, self.model_config),
             num_cpus=s.num_cpus_per_actor, num_gpus=s.num_gpus_per_actor, torch_threads=s.torch_threads,
+            degree=s.degree,
         )
 
-    def next_batch(self) -> ray.ObjectRef:
-        return self.loader.next_batch.remote()
+    def next_batch(self) -> list[ray.ObjectRef]:
+        """Refs of the next global batch: one part per data-parallel replica."""
+        return [loader.next_batch.remote() for loader in self.loaders]
 
-    def accumulate(self, batch: GlobalBatch) -> float:
-        """Forward + backward of every micro-batch; gradients accumulate in the actors. Returns the loss."""
-        loss_scale = 1.0 / max(1, batch.label_tokens)  # mean over the global batch's label tokens
+    def accumulate(self, batches: list[GlobalBatch]) -> float:
+        """Forward + backward of every micro-batch of every replica; gradients accumulate in the actors.
+
+        Replicas run concurrently (different actors); inside a replica, its micro-batches queue up in
+        order on its actors. Returns the global batch's mean loss.
+        """
+        loss_scale = 1.0 / max(1, sum(b.label_tokens for b in batches))  # mean over all label tokens
         losses = []
-        for i, mb in enumerate(batch.microbatches):
-            embeds = self.vision.forward(i, mb.vision)
-            loss, embeds_grad = self.text.forward_backward(i, mb.text, embeds, loss_scale)
-            self.vision.backward(i, embeds_grad)
-            losses.append(loss)
+        for r, batch in enumerate(batches):
+            for i, mb in enumerate(batch.microbatches):
+                shards = self.vision.forward(r, i, mb.vision)
+                loss, shard_grads = self.text.forward_backward(r, i, mb.text, shards, loss_scale)
+                self.vision.backward(r, i, shard_grads)
+                losses.append(loss)
         return sum(ray.get(losses))
 
     def optimizer_step(self) -> tuple[float, float]:
-        """Clip by the global norm over both stages, step both pools. Returns (grad norm, lr used)."""
+        """Sum gradients over replicas, clip by the global norm over both pools, step. -> (norm, lr)."""
+        self.vision.sync_grads(), self.text.sync_grads()  # ordered before grad_sq_norm on each actor
         grad_norm = math.sqrt(sum(ray.get(self.vision.grad_sq_norm() + self.text.grad_sq_norm())))
         coef = clip_coefficient(grad_norm, self.cfg.training.max_grad_norm)
         lr = ray.get(self.vision.optimizer_step(coef) + self.text.optimizer_step(coef))[-1]
         return grad_norm, lr
 
-    def train_step(self, batch: GlobalBatch) -> dict[str, Any]:
+    def train_step(self, batches: list[GlobalBatch]) -> dict[str, Any]:
         start = time.perf_counter()
-        loss = self.accumulate(batch)
+        loss = self.accumulate(batches)
         grad_norm, lr = self.optimizer_step()
         elapsed = time.perf_counter() - start
+        tokens = sum(b.tokens for b in batches)
+        skipped: dict[str, int] = {}
+        for b in batches:
+            for reason, n in b.skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + n
         return {
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens": batch.tokens,
-            "label_tokens": batch.label_tokens,
-            "microbatches": len(batch.microbatches),
+            "tokens": tokens,
+            "label_tokens": sum(b.label_tokens for b in batches),
+            "microbatches": sum(len(b.microbatches) for b in batches),
             "step_time_s": elapsed,
-            "tokens_per_s": batch.tokens / elapsed,
-            "epoch": batch.epoch,
-            "skipped": batch.skipped,
+            "tokens_per_s": tokens / elapsed,
+            "epoch": batches[0].epoch,
+            "skipped": skipped,
         }
 
     def evaluate(self) -> float | None:
@@ -127,22 +160,30 @@ class Trainer:
                     break
                 self._eval_batches.append(batch)
         sums, count = [], 0
-        for batch in self._eval_batches:
+        for batch in self._eval_batches:  # on replica 0: evaluation is small and needs no gradient sync
             for mb in batch.microbatches:
-                sums.append(self.text.forward_eval(mb.text, self.vision.forward_eval(mb.vision)))
+                sums.append(self.text.forward_eval(0, mb.text, self.vision.forward_eval(0, mb.vision)))
                 count += mb.meta.label_tokens
         return sum(ray.get(sums)) / max(1, count)
 
     def save_weights(self, out_dir: Path) -> None:
         """An HF checkpoint dir: one shard per stage, written by the actors, plus index and config."""
         weight_map: dict[str, str] = {}
-        for shard in ray.get(self.vision.execute_all_async("save_weights", str(out_dir))
-                             + self.text.execute_all_async("save_weights", str(out_dir))):
+        for shard in ray.get([pool.save_weights(str(out_dir)) for pool in (self.vision, self.text)]):
             weight_map.update(shard)
         write_index(out_dir, weight_map, self.model_config)
 
     def skip_report(self) -> dict[str, Any]:
-        return ray.get(self.loader.skip_report.remote())
+        reports = ray.get([loader.skip_report.remote() for loader in self.loaders])
+        counts: dict[str, int] = {}
+        for rep in reports:
+            for reason, n in rep["counts"].items():
+                counts[reason] = counts.get(reason, 0) + n
+        return {
+            "counts": counts,
+            "examples": [e for rep in reports for e in rep["examples"]],
+            "good": sum(rep["good"] for rep in reports),
+        }
 
     def shutdown(self) -> None:
         for pool in (self.vision, self.text):

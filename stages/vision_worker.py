@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dhp.models.qwen2_5_vl import VisionModel
+from dhp.models.sequence_parallel import check_sp_degree, plan_shards, sp_vision_forward
 from dhp.stages.stage_worker import StageWorker
 
 
@@ -27,16 +28,34 @@ class VisionWorker(StageWorker):
     def build_model(self, model_config: Any) -> VisionModel:
         return VisionModel(model_config)
 
-    def forward(self, mb_id: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def parallelize(self) -> None:
+        if self.stage_cfg.parallelism == "sequence":
+            check_sp_degree(self.model_config.vision_config.num_heads, self.degree)
+            # SP ranks see different patches: their parameter gradients are partial sums over the
+            # sequence, summed over the whole pool (SP x DP) before the step.
+            self.grad_sync_group = None
+
+    def _encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's merged tokens: all of them, or (SP) its window-ordered shard [S_r / 4, D]."""
+        pixels, grid = inputs["pixel_values"].to(self.device), inputs["image_grid_thw"]
         with self.autocast():
-            embeds = self.model(inputs["pixel_values"].to(self.device), inputs["image_grid_thw"].to(self.device))
+            if self.stage_cfg.parallelism != "sequence" or grid.numel() == 0:
+                return self.model(pixels, grid.to(self.device))
+            # Every rank of the replica has the same grid, so the same plan and the same collectives.
+            plan = plan_shards(grid, self.degree, self.model_config)
+            return sp_vision_forward(self.model.visual, pixels, grid, plan, self.model_rank, self.model_group)
+
+    def forward(self, mb_id: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        embeds = self._encode(inputs)
         if embeds.requires_grad:
             self.pending[mb_id] = embeds
         return embeds.detach().float().cpu()
 
     def backward(self, mb_id: int, grad: torch.Tensor) -> int:
         embeds = self.pending.pop(mb_id, None)  # None: a text-only micro-batch had nothing to encode
-        if embeds is not None and embeds.numel():
+        if embeds is not None:
+            # Even an empty SP shard runs its backward: its graph holds the all-to-alls the other ranks
+            # of the replica are about to join (invariant 2).
             embeds.backward(grad.to(device=embeds.device, dtype=embeds.dtype))
         return mb_id
 
@@ -44,8 +63,6 @@ class VisionWorker(StageWorker):
     def forward_eval(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         self.model.eval()
         try:
-            with self.autocast():
-                out = self.model(inputs["pixel_values"].to(self.device), inputs["image_grid_thw"].to(self.device))
+            return self._encode(inputs).float().cpu()
         finally:
             self.model.train()
-        return out.float().cpu()

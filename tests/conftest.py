@@ -19,7 +19,8 @@ def ray_session():
     """A local Ray shared by the tests that need one; always shut down."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: the parity layouts place up to 10 small actors on this 2-core machine.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -7,7 +7,7 @@ import json
 import pytest
 import ray
 
-from dhp.dataflow.loader import BatchLoader
+from dhp.dataflow.loader import BatchLoader, split_records
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.models.architectures import architecture_config
 from tests.conftest import write_image
@@ -88,7 +88,7 @@ def test_bad_lines_are_counted_and_good_ones_batched(annotations, ray_session):
     assert sum(sum(b.skipped.values()) for b in batches) == 4
     for batch in batches:
         for mb in batch.microbatches:
-            vision, text = ray.get(mb.vision), ray.get(mb.text)
+            (vision,), text = ray.get(mb.vision), ray.get(mb.text)
             assert set(vision) == {"pixel_values", "image_grid_thw"}
             assert set(text) == {"input_ids", "labels", "attention_mask", "position_ids"}
             assert text["input_ids"].numel() <= 250 and mb.meta.padded_tokens == text["input_ids"].numel()
@@ -107,3 +107,14 @@ def test_shuffle_is_seeded(annotations, ray_session):
     b = _sample_ids(_drain(_loader(annotations, "train.json", seed=3)))
     c = _sample_ids(_drain(_loader(annotations, "train.json", seed=4)))
     assert a == b and sorted(a) == sorted(c) and a != c
+
+
+def test_replicas_get_disjoint_records_covering_the_file():
+    text = "".join(json.dumps(_record(i)) + "\n" for i in range(11))
+    row = {"path": "/d/train.jsonl", "bytes": text.encode()}
+    parts = [split_records(row, seed=5, replica=r, num_replicas=3) for r in range(3)]
+    sources = [[p["source"] for p in part] for part in parts]
+    assert sorted(sum(sources, [])) == sorted(f"/d/train.jsonl:{i + 1}" for i in range(11))
+    assert all(len(s) in (3, 4) for s in sources)
+    assert split_records(row, seed=5, replica=1, num_replicas=3) == parts[1]  # deterministic per epoch seed
+    assert split_records(row, seed=6, replica=1, num_replicas=3) != parts[1]

@@ -7,6 +7,7 @@ text stage in separate actors, and moves embeddings and their gradients actor to
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,15 +15,19 @@ import ray
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from dhp.dataflow.loader import GlobalBatch, MicroBatch
+from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
 from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
 from dhp.models.architectures import architecture_config
+from dhp.models.qwen2_5_vl import TextModel, VisionModel
+from dhp.models.tensor_parallel import gather_full_state_dict
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import build_optimizer
 from dhp.stages.trainer import Trainer
 
 STEPS = 3
+SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
+TP2 = ["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,31 +49,81 @@ def setup(tmp_path_factory, parity_data):
     return ref, ckpt, samples
 
 
-def test_one_step_and_three_updates_match_transformers(setup, ray_session, tmp_path):
+def collect(trainer: Trainer, cfg, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full tensors under HF names from every replica, asserting that all replicas agree."""
+    out: dict[str, torch.Tensor] = {}
+    for pool, module in ((trainer.vision, VisionModel), (trainer.text, TextModel)):
+        for r in range(pool.dp):
+            states = ray.get(pool.local_states(r, grads))
+            if module is TextModel and cfg.text.parallelism == "tensor":
+                full = gather_full_state_dict(states, trainer.model_config)
+            else:  # replicated across the replica's ranks
+                full = states[0]
+            for name, t in full.items():
+                name = module.hf_name(name)
+                assert name not in out or torch.equal(out[name], t), f"replicas disagree on {name}"
+                out[name] = t
+    return out
+
+
+def _microbatch(chosen: list[dict], cfg) -> MicroBatch:
+    vision, text = vision_inputs(chosen), text_inputs(chosen, pad_id=151643)
+    meta = meta_of(vision, text)
+    sp = cfg.vision.degree if cfg.vision.parallelism == "sequence" else 0
+    parts = split_for_ranks(vision, text, sp, architecture_config("tiny"))  # what the loader sends
+    return MicroBatch([ray.put(p) for p in parts], ray.put(text), meta)
+
+
+@pytest.mark.parametrize(
+    ("layout", "replicas"),
+    [
+        # one vision + one text actor; three micro-batches, one of them text-only (an empty vision call)
+        ([], [[[0], [1], [2]]]),
+        # data parallel x2 on both pools: replicas see different samples, gradients are summed
+        (["vision.num_actors=2", "text.num_actors=2"], [[[0], [2]], [[1]]]),
+        # text tensor parallel x2 (vision pool 1 actor, text pool 2: M:N boundary 1 -> 2)
+        (["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"], [[[0], [1, 2]]]),
+        # text tensor parallel x4 (KV heads replicated: tiny has 2) with data parallel x2 on both pools
+        (["vision.num_actors=2", "text.parallelism=tensor", "text.num_actors=8", "text.degree=4"],
+         [[[0]], [[1], [2]]]),
+        # vision sequence parallel x2 (Ulysses), text tensor parallel x2
+        (SP2 + TP2, [[[0, 1], [2]]]),
+        # sp4 / tp2: the 4x6-patch image is smaller than a window, so some SP ranks hold nothing of it
+        (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2, [[[0], [1, 2]]]),
+        # sp2 / tp4 (vision pool 2 actors, text pool 4)
+        (SP2 + ["text.parallelism=tensor", "text.num_actors=4", "text.degree=4"], [[[0, 1, 2]]]),
+        # sp2 x dp2 and tp2 x dp2
+        (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2",
+          "text.parallelism=tensor", "text.num_actors=4", "text.degree=2"], [[[0], [2]], [[1]]]),
+    ],
+    ids=["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2"],
+)
+def test_steps_match_transformers(setup, ray_session, tmp_path, layout, replicas):
     ref, ckpt, samples = setup
+    ref = copy.deepcopy(ref)
     longest = max(s["input_ids"].shape[0] for s in samples)
     cfg = load_config(
         "tiny",
-        [
+        layout + [
             f"model.path={ckpt}",
             f"data.microbatch_tokens={longest}",
             f"data.max_seq_len={longest}",
             f"training.steps={STEPS}",
             "training.warmup_steps=1",
             "training.lr=1e-3",
+            # Adam divides by sqrt(v) + eps: with eps 1e-8, fp32 summation-order noise (~1e-9) in gradients of
+            # size ~eps becomes parameter noise of ~1e-5 x (lr / 1e-3); gradients are compared directly above.
+            "training.adam_eps=1e-6",
             "training.weight_decay=0.1",
             "training.max_grad_norm=1.0",
             "vision.num_cpus_per_actor=0.5",
             "text.num_cpus_per_actor=0.5",
         ],
     )
-    # One sample per micro-batch: accumulation over three, one of them text-only (an empty vision call).
-    microbatches = []
-    for group in ([0], [1], [2]):
-        chosen = [samples[i] for i in group]
-        vision, text = vision_inputs(chosen), text_inputs(chosen, pad_id=151643)
-        microbatches.append(MicroBatch(ray.put(vision), ray.put(text), meta_of(vision, text)))
-    batch = GlobalBatch(microbatches, epoch=0)
+    batches = [
+        GlobalBatch([_microbatch([samples[i] for i in group], cfg) for group in replica], epoch=0)
+        for replica in replicas
+    ]
 
     # The reference sees the whole batch at once, padded together, and derives positions itself.
     full_v, full_t = vision_inputs(samples), text_inputs(samples, pad_id=151643)
@@ -87,10 +142,9 @@ def test_one_step_and_three_updates_match_transformers(setup, ray_session, tmp_p
     trainer = Trainer(cfg)
     try:
         for step in range(STEPS):
-            loss = trainer.accumulate(batch)
-            grads = {}
-            for part in trainer.vision.execute_all("gradients_hf") + trainer.text.execute_all("gradients_hf"):
-                grads.update(part)
+            loss = trainer.accumulate(batches)
+            ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())  # what optimizer_step does first
+            grads = collect(trainer, cfg, grads=True)
 
             ref_loss = ref(**ref_inputs).loss
             ref_loss.backward()
@@ -110,9 +164,7 @@ def test_one_step_and_three_updates_match_transformers(setup, ray_session, tmp_p
             optimizer.zero_grad(set_to_none=True)
         assert grad_norm > cfg.training.max_grad_norm or step == 0  # clipping was exercised at least once
 
-        params = {}
-        for part in trainer.vision.execute_all("parameters_hf") + trainer.text.execute_all("parameters_hf"):
-            params.update(part)
+        params = collect(trainer, cfg)
         for name, p in ref.named_parameters():
             # Absolute: Adam turns fp-rounding noise in near-zero gradients into updates of up to ~1e-2 x lr.
             diff = (params[name] - p.detach()).abs().max().item()
@@ -125,5 +177,6 @@ def test_one_step_and_three_updates_match_transformers(setup, ray_session, tmp_p
         assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
         for name, p in loaded.named_parameters():
             assert torch.equal(p.detach(), params[name]), name
+        assert loaded.lm_head.weight.shape[0] == trainer.model_config.text_config.vocab_size
     finally:
         trainer.shutdown()

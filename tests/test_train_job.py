@@ -50,3 +50,20 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
     assert model.config.text_config.hidden_size == 64
     # Not on a terminal (as in a Ray Job): periodic progress lines instead of a bar.
     assert "step 100/100 loss" in proc.stdout
+
+
+def test_hybrid_layout_runs_from_the_command_line(tmp_path):
+    """sp2 vision x dp2, tp2 text x dp2 through the real loader (per-rank patch shards) and export."""
+    layout = ["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2", "vision.num_cpus_per_actor=0.25",
+              "text.parallelism=tensor", "text.num_actors=4", "text.degree=2", "text.num_cpus_per_actor=0.25"]
+    cmd = [sys.executable, "-m", "dhp.stages.cli", "train", *layout, "training.steps=4", "training.eval_every=0",
+           f"output.dir={tmp_path}/runs", "output.name=hybrid", f"data.synthetic.dir={tmp_path}/synth",
+           "data.synthetic.num=64", "data.synthetic.eval_num=8", "training.eval_batches=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "hybrid"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(math.isfinite(r["loss"]) for r in records)
+    assert math.isfinite(records[-1]["eval_loss"])
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "checkpoint")
+    assert model.lm_head.weight.shape == (151936, 64)  # gathered from the two tensor-parallel shards

@@ -1,0 +1,265 @@
+"""Window-aware DeepSpeed-Ulysses sequence parallelism for the Qwen2.5-VL vision encoder.
+
+The transformers modules of `Qwen2_5_VisionTransformerPretrainedModel` (patch_embed, rotary_pos_emb,
+blocks, merger) are reused as they are; this file replaces only its forward orchestration and the
+attention step of each block. Notation: P patches in the batch (rows of `pixel_values`, image processor
+order), sp ranks in the SP group, rank r owns S_r patches, D = hidden, H heads of hd = D / H, M = 4
+patches per merge unit, O = out_hidden.
+
+Plan (`plan_shards`, from grid_thw alone, identical on every rank):
+  transformers' `get_vision_window_index` gives the window order of merge units; expanded to patches
+  it is the *global window order* (image-major, frame-major, window-major). That sequence is cut into
+  sp contiguous ranges [bounds[r], bounds[r+1]) at window boundaries (each cut is the window boundary
+  nearest to r * P / sp, so |S_r - P / sp| <= the largest window). Seen per image this is a cut of the
+  image's window-ordered sequence into sp contiguous ragged pieces in rank order: a small image lives
+  on one or two ranks, a rank may hold no patch of an image, or no patch at all. Because the pieces
+  are in rank order, the rank-major concatenation of the shards IS the global window order.
+
+Forward (`sp_vision_forward`) on rank r, shapes per rank:
+  pixel_shard [S_r, 1176]   rows plan.patch_index[r] of pixel_values (window order); nothing else read
+  patch_embed -> x [S_r, D]; rotary cos/sin [S_r, hd] from the position ids of its own patches (local)
+  window blocks: attention with plan.cu_window_seqlens[r] (no window straddles a cut): NO collective
+  full blocks (fullatt_block_indexes), Ulysses:
+    qkv + rotary locally [S_r, 3, H, hd] --all-to-all #1--> [P, 3, H/sp, hd]  (global window order,
+    rank r keeps head group r); attention per image frame with plan.cu_seqlens; [P, H/sp, hd]
+    --all-to-all #2--> [S_r, H, hd]; proj and MLP locally.
+  merger on the shard -> [S_r / 4, O] in window order (a merge unit never straddles a window).
+`gather_merged`: all-gather (padded to the largest shard) -> [P / 4, O] in global window order, then
+  the inverse window permutation -> raster order, identical on every rank (= VisionModel.forward).
+
+Collectives, in the same order on every rank whatever its data (invariant 2): forward, per full block,
+  all-to-all #1 then #2 (`all_to_all_single_autograd`, unequal splits; a rank with S_r = 0 sends and
+  receives empty pieces but joins); then one all_gather in `gather_merged`. Backward, autograd runs
+  the adjoint all-to-alls in reverse order (#2', #1' per full block, last block first); `gather_merged`'s
+  backward has NO collective: every rank holds the same gradient of the full output (the loss is
+  replicated), so a rank keeps the slice of its own shard (DESIGN section 5) -- summing would count it
+  sp times. After backward each rank holds partial parameter gradients; their SUM over the SP group is
+  the full-model gradient (each patch's path is differentiated on exactly one rank; attention of head
+  group r on rank r). Every parameter gets a gradient (zeros on an empty rank), so a later gradient
+  all-reduce cannot diverge either.
+
+Preconditions: num_heads % sp == 0 (ValueError names the degrees that work); every SP rank computes the
+same plan from the same grid_thw and calls the same functions; window sizes are whole merge units (true
+for the Qwen2.5-VL windows); the gradient reaching `gather_merged`'s output is the same on every rank
+(a replicated loss, or the text stage's gradient fanned out). sp == 1 needs no process group.
+
+Volume per full block per rank, forward: 3 * S_r * D * (sp-1)/sp sent
+for q/k/v plus S_r * D * (sp-1)/sp back, i.e. ~4 * P * D / sp elements per rank and block; the same
+again in backward, and only in len(fullatt_block_indexes) blocks (4 of 32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision, eager_attention_forward
+from transformers.utils.generic import is_flash_attention_requested
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Who owns which patches. Picklable, CPU tensors; the same object on every rank of the SP group.
+
+    sp: SP degree. num_patches: P. merge_unit: patches per merged token (4).
+    bounds: sp + 1 offsets into the global window order; rank r owns [bounds[r], bounds[r + 1]).
+    lengths: S_r per rank (= bounds[r + 1] - bounds[r]).
+    patch_index: per rank, long [S_r]: rows of `pixel_values` it owns, in window order.
+    cu_window_seqlens: per rank, int32: its local window boundaries ([0] when S_r == 0).
+    cu_seqlens: int32, full-attention segments (one per image frame) over the global window order.
+    image_lengths: long [n_images, sp]: patches of image i held by rank r.
+    window_index: long [P / 4]: transformers' window order of merge units (argsort -> raster order).
+    """
+
+    sp: int
+    num_patches: int
+    merge_unit: int
+    bounds: tuple[int, ...]
+    lengths: tuple[int, ...]
+    patch_index: tuple[torch.Tensor, ...]
+    cu_window_seqlens: tuple[torch.Tensor, ...]
+    cu_seqlens: torch.Tensor
+    image_lengths: torch.Tensor
+    window_index: torch.Tensor
+
+    def shard(self, pixel_values: torch.Tensor, rank: int) -> torch.Tensor:
+        """The rows of the full `pixel_values` [P, 1176] that rank `rank` gets: [S_r, 1176]."""
+        return pixel_values[self.patch_index[rank].to(pixel_values.device)]
+
+
+def check_sp_degree(num_heads: int, sp: int) -> None:
+    """Ulysses splits heads over the SP ranks: raise ValueError unless sp divides num_heads."""
+    if sp < 1 or num_heads % sp:
+        ok = ", ".join(str(d) for d in range(1, num_heads + 1) if num_heads % d == 0)
+        raise ValueError(f"sequence-parallel degree {sp} must divide the {num_heads} vision heads; use one of {ok}")
+
+
+def plan_shards(grid_thw: torch.Tensor, sp: int, config) -> ShardPlan:
+    """Cut the batch's window-ordered patch sequence into sp contiguous shards at window boundaries.
+
+    `config` is a `Qwen2_5_VLConfig` or its `vision_config`. Cheap: integer work on grid_thw only.
+    """
+    vc = getattr(config, "vision_config", config)
+    check_sp_degree(vc.num_heads, sp)
+    grid_thw = grid_thw.detach().to("cpu", torch.long).reshape(-1, 3)
+    unit = vc.spatial_merge_size**2
+    num_patches = int(grid_thw.prod(-1).sum())
+    window_index, cu_windows = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32)
+    cu_seqlens = cu_windows
+    if num_patches:
+        merge, window, patch = vc.spatial_merge_size, vc.window_size, vc.patch_size
+        window_index, cu_windows = get_vision_window_index(grid_thw, merge, window, patch)
+        cu_seqlens = get_vision_cu_seqlens(grid_thw).to(torch.int32)
+    order = (window_index[:, None] * unit + torch.arange(unit)).reshape(-1)  # patches in window order
+    edges = cu_windows.long()
+    bounds = [0]
+    for r in range(1, sp):  # nearest window boundary to the ideal cut, never before the previous cut
+        target = r * num_patches / sp
+        best = int(edges[(edges.double() - target).abs().argmin()])
+        bounds.append(max(best, bounds[-1]))
+    bounds.append(num_patches)
+    image_edges = torch.cat([torch.zeros(1, dtype=torch.long), grid_thw.prod(-1).cumsum(0)])
+    lo, hi = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:])
+    image_lengths = (torch.minimum(image_edges[1:, None], hi) - torch.maximum(image_edges[:-1, None], lo)).clamp(min=0)
+    local_windows = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        inner = edges[(edges > a) & (edges < b)]
+        cut = torch.cat([torch.tensor([a]), inner, torch.tensor([b] if b > a else [])]) - a
+        local_windows.append(cut.to(torch.int32))
+    return ShardPlan(
+        sp=sp,
+        num_patches=num_patches,
+        merge_unit=unit,
+        bounds=tuple(bounds),
+        lengths=tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])),
+        patch_index=tuple(order[a:b] for a, b in zip(bounds[:-1], bounds[1:])),
+        cu_window_seqlens=tuple(local_windows),
+        cu_seqlens=cu_seqlens,
+        image_lengths=image_lengths,
+        window_index=window_index,
+    )
+
+
+class _Ulysses:
+    """The two all-to-alls of a full-attention block: sequence-sharded <-> head-sharded."""
+
+    def __init__(self, plan: ShardPlan, rank: int, group):
+        self.sp, self.group, self.lengths = plan.sp, group, list(plan.lengths)
+        self.mine = plan.lengths[rank]
+
+    def seq_to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """[S_r, 3, H, hd] -> [P, 3, H/sp, hd]: rank r keeps head group r of every rank's patches."""
+        s, three, heads, hd = t.shape
+        chunks = t.reshape(s, three, self.sp, heads // self.sp, hd).permute(2, 0, 1, 3, 4)
+        chunks = chunks.reshape(self.sp * s, three * heads // self.sp * hd)
+        out = all_to_all_single_autograd(chunks, self.lengths, [s] * self.sp, self.group)
+        return out.reshape(sum(self.lengths), three, heads // self.sp, hd)
+
+    def heads_to_seq(self, t: torch.Tensor) -> torch.Tensor:
+        """[P, H/sp, hd] -> [S_r, H, hd]: every rank gets all heads of its own patches back."""
+        _, local_heads, hd = t.shape
+        out = all_to_all_single_autograd(t.reshape(t.shape[0], -1), [self.mine] * self.sp, self.lengths, self.group)
+        out = out.reshape(self.sp, self.mine, local_heads, hd).permute(1, 0, 2, 3)
+        return out.reshape(self.mine, self.sp * local_heads, hd)
+
+
+def _packed_attention(attn, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention inside each segment of cu_seqlens, as transformers computes it. [S, h, hd]."""
+    s, heads, hd = q.shape
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
+    dropout = attn.attention_dropout if attn.training else 0.0
+    common = dict(attention_mask=None, scaling=attn.scaling, dropout=dropout, is_causal=False)
+    if s and is_flash_attention_requested(attn.config):
+        cu = cu_seqlens.to(q.device, torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        out = interface(
+            attn, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **common
+        )[0]
+        return out.reshape(s, heads, hd)
+    sizes = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    pieces = zip(*(torch.split(t, sizes, dim=2) for t in (q, k, v)))
+    outs = [interface(attn, a, b, c, **common)[0] for a, b, c in pieces if a.shape[2]]  # [1, L, h, hd] each
+    if not outs:  # an empty shard: keep the (empty) result attached to the graph, so every weight gets a grad
+        return v.reshape(s, heads, hd)
+    return torch.cat(outs, dim=1).reshape(s, heads, hd)
+
+
+def _attention(attn, x, rope, cu_seqlens, ulysses: _Ulysses | None) -> torch.Tensor:
+    """`Qwen2_5_VLVisionAttention.forward` on a shard; the full-attention variant swaps sequence and heads."""
+    s, heads = x.shape[0], attn.num_heads
+    q, k, v = attn.qkv(x).reshape(s, 3, heads, attn.head_dim).unbind(1)
+    q, k = apply_rotary_pos_emb_vision(q, k, *rope)  # local: rotary is per position
+    if ulysses is not None:
+        q, k, v = ulysses.seq_to_heads(torch.stack((q, k, v), dim=1)).unbind(1)
+    out = _packed_attention(attn, q, k, v, cu_seqlens)
+    if ulysses is not None:
+        out = ulysses.heads_to_seq(out)
+    return attn.proj(out.reshape(s, heads * attn.head_dim))
+
+
+def sp_vision_forward(
+    visual, pixel_shard: torch.Tensor, grid_thw: torch.Tensor, plan: ShardPlan, rank: int, group
+) -> torch.Tensor:
+    """Rank `rank`'s merged shard [S_r / 4, out_hidden] in window order. `visual`: the transformers ViT."""
+    cfg = visual.config
+    check_sp_degree(cfg.num_heads, plan.sp)
+    if group is not None and dist.get_world_size(group) != plan.sp:
+        raise ValueError(f"plan is for sp={plan.sp} but the group has {dist.get_world_size(group)} ranks")
+    s = plan.lengths[rank]
+    if pixel_shard.shape[0] != s:
+        raise ValueError(f"rank {rank} owns {s} patches but got {pixel_shard.shape[0]} pixel rows")
+    merger = visual.merger
+    if plan.num_patches == 0:  # same on every rank (same plan): nobody joins anything
+        return pixel_shard.new_zeros(0, cfg.out_hidden_size)
+    pe = visual.patch_embed
+    pixel_shard = pixel_shard.to(pe.proj.weight.dtype)
+    if s:
+        x = pe(pixel_shard)
+    else:  # patch_embed's view(-1, ...) is ambiguous on zero rows
+        x = pe.proj(pixel_shard.view(0, pe.in_channels, pe.temporal_patch_size, pe.patch_size, pe.patch_size))
+        x = x.view(0, pe.embed_dim)
+    index = plan.patch_index[rank].to(x.device)
+    positions = get_vision_position_ids(grid_thw.to(x.device), visual.spatial_merge_size)[index]
+    rope = visual.rotary_pos_emb(x, positions)
+    ulysses = _Ulysses(plan, rank, group) if plan.sp > 1 else None  # sp == 1: the plain forward, no group
+    cu_windows, cu_full = plan.cu_window_seqlens[rank], plan.cu_seqlens
+    for i, blk in enumerate(visual.blocks):
+        full = i in visual.fullatt_block_indexes
+        x = x + _attention(blk.attn, blk.norm1(x), rope, cu_full if full else cu_windows, ulysses if full else None)
+        x = x + blk.mlp(blk.norm2(x))
+    if s:
+        return merger(x)
+    return merger.mlp(merger.ln_q(x).view(0, merger.hidden_size))
+
+
+class _GatherShards(torch.autograd.Function):
+    """Forward: all-gather variable-size shards (rank order). Backward: this rank's slice, no collective."""
+
+    @staticmethod
+    def forward(ctx, shard, sizes, rank, group):
+        ctx.span = (sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        padded = shard.new_zeros(max(sizes), *shard.shape[1:])
+        padded[: shard.shape[0]] = shard
+        buffers = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(buffers, padded.contiguous(), group=group)
+        return torch.cat([b[:n] for b, n in zip(buffers, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.span[0] : ctx.span[1]], None, None, None
+
+
+def gather_merged(merged_shard: torch.Tensor, plan: ShardPlan, rank: int, group) -> torch.Tensor:
+    """[S_r / 4, O] shards -> the full merged sequence [P / 4, O] in raster order on every rank."""
+    sizes = [n // plan.merge_unit for n in plan.lengths]
+    if merged_shard.shape[0] != sizes[rank]:
+        raise ValueError(f"rank {rank} should hold {sizes[rank]} merged rows, got {merged_shard.shape[0]}")
+    if plan.num_patches == 0:
+        return merged_shard
+    full = _GatherShards.apply(merged_shard, sizes, rank, group) if plan.sp > 1 else merged_shard
+    return full[torch.argsort(plan.window_index).to(full.device)]

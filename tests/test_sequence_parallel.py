@@ -1,0 +1,196 @@
+"""Window-aware Ulysses SP of the vision encoder == the unsharded VisionModel (output and every gradient).
+
+Distributed cases run on gloo groups of 2 and 4 spawned ranks; the reference (same weights, fp32) runs
+in the test process. Each rank gets its own pixel rows only (the others are NaN in the tensor it slices),
+some ranks hold no patch at all, and every rank must make the same collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers.vision_utils import get_vision_window_index
+
+from dhp.models import sequence_parallel as sp_mod
+from dhp.models.architectures import architecture_config
+from dhp.models.qwen2_5_vl import VisionModel
+from dhp.models.sequence_parallel import check_sp_degree, gather_merged, plan_shards, sp_vision_forward
+
+MAIN = [[1, 16, 20], [1, 8, 8], [1, 4, 6]]  # the last image is one window: smaller than sp x window
+CASES = {
+    "main": MAIN,
+    "one_small_image": [[1, 4, 6]],  # one window: every rank but one is empty
+    "two_small_images": [[1, 4, 6], [1, 4, 4]],  # sp=4: ranks 0 and 2 are empty
+    "video_frames": [[2, 8, 12]],  # two frames: full attention is per frame
+}
+EMPTY_RANKS = {("one_small_image", 2), ("one_small_image", 4), ("two_small_images", 4)}  # (case, world)
+OUT_TOL, GRAD_TOL = 1e-6, 1e-5  # fp32; both measured below 1e-6 here
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.detach(), b.detach()
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float(a.norm())
+
+
+def reference_model(config) -> VisionModel:
+    torch.manual_seed(0)
+    model = VisionModel(config).float().train()
+    with torch.no_grad():  # non-trivial norms and biases, so their gradients are tested too
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def reference_case(model: VisionModel, grid: list[list[int]], seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    grid_thw = torch.tensor(grid)
+    pixels = torch.randn(int(grid_thw.prod(-1).sum()), 1176, generator=g)
+    model.zero_grad(set_to_none=True)
+    out = model(pixels, grid_thw)
+    weights = torch.randn(out.shape, generator=g)
+    (out * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return dict(grid=grid_thw, pixels=pixels, weights=weights, out=out.detach(), grads=grads)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, state: dict, cases: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        config = architecture_config("tiny")
+        model = VisionModel(config).float().train()
+        model.load_state_dict(state)
+        group = dist.group.WORLD
+        calls = []
+        real_a2a = sp_mod.all_to_all_single_autograd
+
+        def counting_a2a(tensor, out_sizes, in_sizes, grp):
+            calls.append((tuple(out_sizes), tuple(in_sizes)))
+            return real_a2a(tensor, out_sizes, in_sizes, grp)
+
+        sp_mod.all_to_all_single_autograd = counting_a2a
+        for name, case in cases.items():
+            calls.clear()
+            plan = plan_shards(case["grid"], world, config)
+            if (name, world) in EMPTY_RANKS:
+                assert 0 in plan.lengths, (name, plan.lengths)
+            poisoned = torch.full_like(case["pixels"], float("nan"))  # other ranks' rows must never be read
+            poisoned[plan.patch_index[rank]] = case["pixels"][plan.patch_index[rank]]
+            shard = plan.shard(poisoned, rank)
+            model.zero_grad(set_to_none=True)
+            merged = sp_vision_forward(model.visual, shard, case["grid"], plan, rank, group)
+            start = sum(plan.lengths[:rank]) // 4  # the shard is its slice of the window-ordered output
+            expected = case["out"][plan.window_index][start : start + plan.lengths[rank] // 4]
+            assert rel_err(merged, expected) <= OUT_TOL, (name, rank, rel_err(merged, expected))
+            out = gather_merged(merged, plan, rank, group)
+            assert rel_err(out, case["out"]) <= OUT_TOL, (name, rank, rel_err(out, case["out"]))
+            (out * case["weights"]).sum().backward()
+
+            # invariant 2: the same all-to-alls on every rank, empty or not (2 per full-attention block)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, len(calls), group=group)
+            assert everyone == [2 * len(config.vision_config.fullatt_block_indexes)] * world, (name, everyone)
+            for pname, p in model.named_parameters():
+                assert p.grad is not None, (name, rank, pname)  # an empty rank still has (zero) grads to reduce
+                total = p.grad.clone()
+                dist.all_reduce(total, group=group)
+                err = rel_err(total, case["grads"][pname])
+                assert err <= GRAD_TOL, (name, rank, pname, err)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = architecture_config("tiny")
+    model = reference_model(config)
+    cases = {name: reference_case(model, grid, seed) for seed, (name, grid) in enumerate(CASES.items())}
+    return config, model, cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sp_forward_backward_match_unsharded(reference, world):
+    _, model, cases = reference
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mp.start_processes(_worker, args=(world, _free_port(), state, cases), nprocs=world, start_method="spawn")
+
+
+def test_sp1_is_the_plain_forward(reference):
+    config, model, cases = reference
+    case = cases["main"]
+    plan = plan_shards(case["grid"], 1, config)
+    model.zero_grad(set_to_none=True)
+    out = gather_merged(
+        sp_vision_forward(model.visual, case["pixels"][plan.patch_index[0]], case["grid"], plan, 0, None), plan, 0, None
+    )
+    assert rel_err(out, case["out"]) <= 1e-6
+    (out * case["weights"]).sum().backward()
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, case["grads"][name]) <= 1e-6, name
+
+
+@pytest.mark.parametrize("grid", list(CASES.values()) + [[[1, 32, 32], [1, 6, 10]], [[1, 12, 4], [3, 8, 8]]])
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_plan_cuts_at_window_boundaries_and_balances(grid, sp):
+    config = architecture_config("tiny")
+    vc = config.vision_config
+    grid_thw = torch.tensor(grid)
+    plan = plan_shards(grid_thw, sp, config)
+    window_index, cu_windows = get_vision_window_index(grid_thw, vc.spatial_merge_size, vc.window_size, vc.patch_size)
+    order = (window_index[:, None] * 4 + torch.arange(4)).reshape(-1)
+    num_patches = int(grid_thw.prod(-1).sum())
+    edges = cu_windows.tolist()
+    biggest = max(b - a for a, b in zip(edges[:-1], edges[1:]))
+
+    # every patch owned exactly once, rank order == transformers' window order
+    owned = torch.cat(plan.patch_index)
+    assert torch.equal(owned, order)
+    assert torch.equal(owned.sort().values, torch.arange(num_patches))
+    assert list(plan.lengths) == [len(i) for i in plan.patch_index] and sum(plan.lengths) == num_patches
+    # cuts only at window boundaries; the local windows are exactly the global windows of the range
+    assert set(plan.bounds) <= set(edges)
+    for r in range(sp):
+        a, b = plan.bounds[r], plan.bounds[r + 1]
+        inside = [e - a for e in edges if a <= e <= b]
+        assert plan.cu_window_seqlens[r].tolist() == (inside if b > a else [0])
+        assert abs(plan.lengths[r] - num_patches / sp) <= biggest  # balanced within one window
+    # per-image per-rank lengths add up both ways
+    assert plan.image_lengths.sum(0).tolist() == list(plan.lengths)
+    assert plan.image_lengths.sum(1).tolist() == grid_thw.prod(-1).tolist()
+    assert torch.equal(plan.cu_seqlens.long().diff(), grid_thw[:, 1:].prod(-1).repeat_interleave(grid_thw[:, 0]))
+
+
+def test_plan_leaves_ranks_without_a_small_image():
+    plan = plan_shards(torch.tensor(MAIN), 4, architecture_config("tiny"))
+    assert (plan.image_lengths[2] > 0).sum() == 1  # one window, one rank
+    assert (plan.image_lengths[0] == 0).sum() >= 1
+    assert min(plan_shards(torch.tensor([[1, 4, 6]]), 2, architecture_config("tiny")).lengths) == 0
+
+
+def test_sp_must_divide_heads():
+    config = architecture_config("tiny")  # 4 vision heads
+    with pytest.raises(ValueError, match="1, 2, 4"):
+        plan_shards(torch.tensor(MAIN), 3, config)
+    with pytest.raises(ValueError, match="1, 2, 3, 6, 9, 18"):
+        check_sp_degree(18, 4)
+    plan = dataclasses.replace(plan_shards(torch.tensor(MAIN), 2, config), sp=3)
+    model = VisionModel(config)
+    with pytest.raises(ValueError, match="1, 2, 4"):
+        sp_vision_forward(model.visual, torch.zeros(plan.lengths[0], 1176), torch.tensor(MAIN), plan, 0, None)
