@@ -77,6 +77,7 @@ class ActorGroup:
         num_gpus: float = 0.0,
         torch_threads: int = 1,
         degree: int = 1,
+        placement_timeout_s: float = 300,
     ):
         if num_actors % degree:
             raise ValueError(f"{name}: {num_actors} actors cannot form groups of {degree}")
@@ -88,6 +89,15 @@ class ActorGroup:
             )
             for rank in range(num_actors)
         ]
+        pings = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=placement_timeout_s)
+        if len(ready) < len(pings):  # a rendezvous with missing ranks would wait forever
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            raise RuntimeError(
+                f"only {len(ready)} of {num_actors} {name} actors started within {placement_timeout_s:g} s: "
+                f"the cluster lacks the resources ({num_cpus:g} CPU, {num_gpus:g} GPU per actor)"
+            )
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
         ray.get([a.setup.remote() for a in self.actors])

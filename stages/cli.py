@@ -3,6 +3,7 @@
     dhp train [--config PRESET_OR_YAML] [KEY=VALUE ...]
     dhp data synth --out DIR --num N --seed S [--eval-num M]
     dhp config [--config PRESET_OR_YAML] [KEY=VALUE ...]     (print the resolved config)
+    dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -36,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--num", type=int, default=512)
     synth.add_argument("--eval-num", type=int, default=None)
     synth.add_argument("--seed", type=int, default=0)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    layouts = bench.add_parser("layouts", help="vision-encoder layouts: comm and activation bytes per rank")
+    layouts.add_argument("--json", default=None, help="write the rows here")
+    layouts.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
+    layouts.add_argument("--budget-gib", type=float, default=40.0, help="per-rank activation budget")
+    layouts.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element, real-shape rows")
     return p
 
 
@@ -59,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             s = write_synthetic_dataset(args.out, args.num, seed=args.seed, eval_num=args.eval_num)
             state = "already present" if s.reused else "written"
             print(f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images {state} in {s.out_dir}")
+        elif args.command == "bench" and args.bench_command == "layouts":
+            from dhp.scripts.bench_layouts import main as bench_layouts
+
+            return bench_layouts(args)
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"dhp: error: {e}", file=sys.stderr)
         return 2

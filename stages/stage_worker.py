@@ -30,15 +30,24 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(module: nn.Module, cfg: Config, lr_scale: float = 1.0):
-    """AdamW + linear warmup + cosine decay to `min_lr_ratio`; one scheduler step per optimizer step."""
+def build_optimizer(module: nn.Module, cfg: Config, lr_scale: float = 1.0, zero_group: Any = False):
+    """AdamW + linear warmup + cosine decay to `min_lr_ratio`; one scheduler step per optimizer step.
+
+    `zero_group` (a process group, None = the default group; False = off) shards the AdamW state ZeRO-1
+    style: each rank keeps the moments of its share of the parameters, steps those, and broadcasts them.
+    Every rank must hold the full, already-summed gradients when `step()` runs.
+    """
     t = cfg.training
-    optimizer = torch.optim.AdamW(
-        param_groups(module, t.weight_decay),
-        lr=t.lr * lr_scale,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
-    )
+    kwargs = dict(lr=t.lr * lr_scale, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    if zero_group is False:
+        optimizer = torch.optim.AdamW(param_groups(module, t.weight_decay), **kwargs)
+    else:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            param_groups(module, t.weight_decay), optimizer_class=torch.optim.AdamW, process_group=zero_group,
+            **kwargs,
+        )
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps, min_lr_rate=t.min_lr_ratio
     )
@@ -75,7 +84,9 @@ class StageWorker(DistributedWorker):
             load_stage_weights(self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes)
         self.parallelize()
         self.model.to(self.device).train()
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg, self.stage_cfg.lr_scale)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.zero_group()
+        )
         self._synced = False  # gradients summed over data-parallel replicas for this step?
 
     def build_model(self, model_config: Any) -> nn.Module:
@@ -83,6 +94,10 @@ class StageWorker(DistributedWorker):
 
     def parallelize(self) -> None:
         """Apply the stage's layout to `self.model` inside `self.model_group` (none: nothing to do)."""
+
+    def zero_group(self) -> Any:
+        """The group the optimizer state is sharded over (ZeRO-1), or False for a replicated optimizer."""
+        return False
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":

@@ -35,17 +35,23 @@ def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
     return architecture_config(cfg.model.name, cfg.model.attn_implementation)
 
 
+LOADER_CPUS = 0.1  # the BatchLoader actor mostly waits on Ray Data
+
+
 def check_resources(cfg: Config) -> None:
-    """Fail fast when the pools cannot all be placed: otherwise the placed ranks wait forever in rendezvous."""
+    """Fail fast when pools + data pipeline cannot all be placed: placed ranks would wait in rendezvous."""
     total = ray.cluster_resources()
+    dp = data_parallel_size(cfg)
+    data_cpus = (dp + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
     for resource, per_actor in (("CPU", "num_cpus_per_actor"), ("GPU", "num_gpus_per_actor")):
         need = sum(getattr(s, per_actor) * s.num_actors for s in (cfg.vision, cfg.text))
+        need += data_cpus if resource == "CPU" else 0.0
         have = total.get(resource, 0.0)
         if need > have + 1e-9:
             raise ConfigError(
-                f"the pools need {need:g} {resource} (vision {cfg.vision.num_actors} x "
-                f"{getattr(cfg.vision, per_actor):g}, text {cfg.text.num_actors} x {getattr(cfg.text, per_actor):g}) "
-                f"but the Ray cluster has {have:g}: lower vision/text.{per_actor} or add resources"
+                f"pools and data pipeline need {need:g} {resource} but the Ray cluster has {have:g}: lower "
+                f"vision/text.{per_actor} (or data.preprocess_num_cpus), give a local Ray more logical CPUs "
+                f"(ray.num_cpus), or add resources"
             )
 
 
@@ -68,7 +74,12 @@ class Trainer:
             max_seq_len=d.max_seq_len,
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
         )
-        loader_cls = ray.remote(num_cpus=0.1)(BatchLoader)
+        # Pools first: their rendezvous needs every rank placed at once, while the loaders' Ray Data
+        # work can wait for whatever CPU is left.
+        check_resources(cfg)
+        self.vision = self._pool("vision", VisionPool, VisionWorker)
+        self.text = self._pool("text", TextPool, TextWorker)
+        loader_cls = ray.remote(num_cpus=LOADER_CPUS)(BatchLoader)
         self.dp = data_parallel_size(cfg)
         common = dict(
             settings=settings,
@@ -84,9 +95,6 @@ class Trainer:
             for r in range(self.dp if train_paths else 0)
         ]
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **common) if eval_paths else None
-        check_resources(cfg)
-        self.vision = self._pool("vision", VisionPool, VisionWorker)
-        self.text = self._pool("text", TextPool, TextWorker)
         self._eval_batches: list[GlobalBatch] | None = None
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):

@@ -58,7 +58,8 @@ def test_hybrid_layout_runs_from_the_command_line(tmp_path):
               "text.parallelism=tensor", "text.num_actors=4", "text.degree=2", "text.num_cpus_per_actor=0.25"]
     cmd = [sys.executable, "-m", "dhp.stages.cli", "train", *layout, "training.steps=4", "training.eval_every=0",
            f"output.dir={tmp_path}/runs", "output.name=hybrid", f"data.synthetic.dir={tmp_path}/synth",
-           "data.synthetic.num=64", "data.synthetic.eval_num=8", "training.eval_batches=1"]
+           "data.synthetic.num=64", "data.synthetic.eval_num=8", "training.eval_batches=1",
+           "ray.num_cpus=4"]  # logical CPUs: 8 stage actors + 3 loaders on this 2-core machine
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "hybrid"

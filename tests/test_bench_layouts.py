@@ -1,0 +1,90 @@
+"""`dhp bench layouts --quick`: schema, measured-vs-formula agreement, and the design's two claims at degree 4."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dhp.scripts import bench_layouts as bench
+from dhp.stages.cli import main as cli_main
+
+KEYS = {
+    "layout",
+    "degree",
+    "seq_len",
+    "comm_bytes_per_rank",
+    "grad_sync_bytes_per_rank",
+    "activation_bytes_per_rank",
+    "source",
+}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "layouts.json"
+    rc = cli_main(["bench", "layouts", "--quick", "--json", str(path)])
+    return rc, json.loads(path.read_text())
+
+
+def test_schema(quick):
+    rc, rows = quick
+    assert rc == 0
+    assert isinstance(rows, list) and rows
+    for r in rows:
+        assert KEYS <= r.keys(), r
+        assert r["source"] in ("measured", "formula")
+        assert r["layout"] in ("sequence", "tensor", "zero3", "none")
+        for k in ("comm_bytes_per_rank", "grad_sync_bytes_per_rank", "activation_bytes_per_rank"):
+            assert isinstance(r[k], (int, float)) and r[k] >= 0, (k, r)
+    layouts = {(r["layout"], r["degree"]) for r in rows if r["source"] == "formula"}
+    assert {("none", 1)} | {(lay, n) for lay in ("sequence", "tensor", "zero3") for n in (2, 4, 8)} <= layouts
+
+
+def test_measured_sequence_rows_agree_with_the_formula(quick):
+    _, rows = quick
+    measured = [r for r in rows if r["source"] == "measured"]
+    assert any(r["layout"] == "sequence" and r["degree"] == 2 for r in measured)
+    assert any(r["layout"] == "none" for r in measured)
+    for r in measured:
+        if r["layout"] == "sequence":  # something was actually counted
+            assert r["comm_bytes_per_rank"] > 0 and r["grad_sync_bytes_per_rank"] > 0
+        assert r["activation_bytes_per_rank"] > 0
+        for key in ("comm", "grad_sync", "activation"):
+            m, f = r[f"{key}_bytes_per_rank"], r[f"{key}_bytes_formula"]
+            assert (m == f == 0) or abs(f / m - 1) <= 0.15, (r["layout"], r["degree"], key, m, f)
+
+
+def test_design_expectations_at_degree_4(quick):
+    _, rows = quick
+    real = {(r["layout"], r["degree"], r["seq_len"]): r for r in rows if r["source"] == "formula"}
+    seqs = sorted({k[2] for k in real})
+    assert {4096, 16384, 65536} <= set(seqs)
+    for p in seqs:
+        seq, ten, none = real[("sequence", 4, p)], real[("tensor", 4, p)], real[("none", 1, p)]
+        assert ten["comm_bytes_per_rank"] >= 10 * seq["comm_bytes_per_rank"] > 0, p
+        assert seq["activation_bytes_per_rank"] <= 1.15 / 4 * none["activation_bytes_per_rank"], p
+
+
+def test_check_flags_a_wrong_formula(monkeypatch):
+    row = dict(layout="sequence", degree=2, seq_len=1024)
+    s = bench.Shape.of(bench.MEASURED_VISION)
+    row.update(
+        comm_bytes_per_rank=bench.comm_formula(s, "sequence", 2, 1024, 4),
+        grad_sync_bytes_per_rank=bench.grad_sync_formula(s, "sequence", 2, 4),
+        activation_bytes_per_rank=bench.activation_formula(s, "sequence", 2, 1024, 4),
+    )
+    assert bench.check([dict(row)]) == []
+    monkeypatch.setattr(bench, "activation_formula", lambda *a: 1.2 * row["activation_bytes_per_rank"])
+    assert len(bench.check([dict(row)])) == 1
+
+
+def test_parameter_count_matches_the_real_vit():
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    cfg = Qwen2_5_VLConfig(vision_config=dict(bench.REAL_VISION, **bench._COMMON)).vision_config
+    with torch.device("meta"):
+        vit = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg)
+    assert sum(p.numel() for p in vit.parameters()) == bench.Shape.of(bench.REAL_VISION).params()
