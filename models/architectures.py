@@ -27,6 +27,26 @@ _VISION_7B_CLASS = dict(  # the ViT is the same 32-block, 1280-wide encoder in e
     hidden_act="silu",
 )
 
+
+
+def _released_text(
+    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tie: bool
+) -> dict[str, Any]:
+    """Text config of a released size: only these numbers differ between 3B, 7B and 32B."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128000,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+    )
+
+
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vision=dict(
@@ -58,48 +78,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     ),
     "qwen2_5_vl_3b": dict(
         vision=dict(_VISION_7B_CLASS, out_hidden_size=2048),
-        text=dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_hidden_layers=36,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            max_position_embeddings=128000,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
+        text=_released_text(151936, 2048, 11008, layers=36, heads=16, kv_heads=2, tie=True),
     ),
     "qwen2_5_vl_7b": dict(
         vision=dict(_VISION_7B_CLASS, out_hidden_size=3584),
-        text=dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            max_position_embeddings=128000,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
+        text=_released_text(152064, 3584, 18944, layers=28, heads=28, kv_heads=4, tie=False),
     ),
     "qwen2_5_vl_32b": dict(
         vision=dict(_VISION_7B_CLASS, intermediate_size=3456, out_hidden_size=5120),
-        text=dict(
-            vocab_size=152064,
-            hidden_size=5120,
-            intermediate_size=27648,
-            num_hidden_layers=64,
-            num_attention_heads=40,
-            num_key_value_heads=8,
-            max_position_embeddings=128000,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
+        text=_released_text(152064, 5120, 27648, layers=64, heads=40, kv_heads=8, tie=False),
     ),
 }
 
