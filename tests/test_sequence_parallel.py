@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, state: dict, cases: dict) -> None:
+def _worker(rank: int, world: int, port: int, state: dict, cases: dict, done_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -113,6 +114,7 @@ def _worker(rank: int, world: int, port: int, state: dict, cases: dict) -> None:
                 dist.all_reduce(total, group=group)
                 err = rel_err(total, case["grads"][pname])
                 assert err <= GRAD_TOL, (name, rank, pname, err)
+        (Path(done_dir) / f"rank{rank}.ok").write_text(",".join(cases))  # every case checked on this rank
     finally:
         dist.destroy_process_group()
 
@@ -126,10 +128,15 @@ def reference():
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sp_forward_backward_match_unsharded(reference, world):
+def test_sp_forward_backward_match_unsharded(reference, world, tmp_path):
     _, model, cases = reference
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    mp.start_processes(_worker, args=(world, _free_port(), state, cases), nprocs=world, start_method="spawn")
+    # The ranks assert; a failing rank makes start_processes raise. Each rank also reports completion.
+    mp.start_processes(
+        _worker, args=(world, _free_port(), state, cases, str(tmp_path)), nprocs=world, start_method="spawn"
+    )
+    for rank in range(world):
+        assert (tmp_path / f"rank{rank}.ok").read_text() == ",".join(cases)
 
 
 def test_sp1_is_the_plain_forward(reference):
