@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,11 +53,21 @@ def checkpoint_index(path: str | os.PathLike) -> dict[str, tuple[Path, str]]:
     return {canonical_name(name): (file, name) for name, file in files.items()}
 
 
-def load_stage_weights(module: nn.Module, hf_name, path: str | os.PathLike, prefixes: tuple[str, ...]) -> None:
+def load_stage_weights(
+    module: nn.Module,
+    hf_name,
+    path: str | os.PathLike,
+    prefixes: tuple[str, ...],
+    slicer: Callable[[str], tuple | None] | None = None,
+    full_shapes: dict[str, torch.Size] | None = None,
+) -> None:
     """Fill `module` from the checkpoint at `path`; `hf_name` maps a module name to a checkpoint name.
 
     `prefixes` are the checkpoint-name prefixes this stage owns: any checkpoint tensor under them that
     the module does not expect is reported, as is any expected tensor the checkpoint lacks.
+    A sharded module passes `slicer` (module name -> index of this rank's part, None = whole tensor) and
+    the unsharded `full_shapes`: each rank then reads only its slices (`get_slice`), never a full copy,
+    and the checkpoint's full shapes are still checked.
     """
     index = checkpoint_index(path)
     expected = {hf_name(n): n for n in module.state_dict(keep_vars=False)}
@@ -69,18 +80,21 @@ def load_stage_weights(module: nn.Module, hf_name, path: str | os.PathLike, pref
             f"checkpoint {path} does not match the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}"
             f" ({len(missing)}), unexpected {unexpected[:8]} ({len(unexpected)})"
         )
+    own = module.state_dict()
+    shapes = full_shapes or {n: t.shape for n, t in own.items()}
     state = {}
     for name, local in expected.items():
         if name not in present:
             continue  # tied to a tensor loaded under its other name
         file, stored_as = index[name]
         with safe_open(file, framework="pt") as f:
-            state[local] = f.get_tensor(stored_as)
-    own = module.state_dict()
-    for local, tensor in state.items():
-        if tensor.shape != own[local].shape:
-            name = next(h for h, n in expected.items() if n == local)
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model shape {tuple(own[local].shape)}")
+            part = f.get_slice(stored_as)
+            if tuple(part.get_shape()) != tuple(shapes[local]):
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(part.get_shape())}, model shape {tuple(shapes[local])}"
+                )
+            idx = slicer(local) if slicer else None
+            state[local] = part[idx] if idx is not None else f.get_tensor(stored_as)
     module.load_state_dict(state, strict=not tied)
 
 

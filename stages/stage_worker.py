@@ -80,9 +80,13 @@ class StageWorker(DistributedWorker):
         torch.manual_seed(self.cfg.model.init_seed)
         self.grad_sync_group = self.dp_group  # data-parallel replicas; parallelize() may widen it
         self.model = self.build_model(self.model_config)
-        if self.cfg.model.path:
-            load_stage_weights(self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes)
+        full_shapes = {n: t.shape for n, t in self.model.state_dict().items()}
         self.parallelize()
+        if self.cfg.model.path:  # after parallelize: a sharded rank reads only its own slices
+            load_stage_weights(
+                self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes,
+                slicer=self.checkpoint_slicer(), full_shapes=full_shapes,
+            )
         self.model.to(self.device).train()
         self.optimizer, self.scheduler = build_optimizer(
             self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.zero_group()
@@ -98,6 +102,10 @@ class StageWorker(DistributedWorker):
     def zero_group(self) -> Any:
         """The group the optimizer state is sharded over (ZeRO-1), or False for a replicated optimizer."""
         return False
+
+    def checkpoint_slicer(self):
+        """module name -> index of this rank's part of the full tensor (None: whole); None if unsharded."""
+        return None
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":

@@ -7,12 +7,13 @@ the same shape and order, so the vision stage can apply it to the tensor it prod
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from dhp.models.qwen2_5_vl import TextModel
-from dhp.models.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
+from dhp.models.tensor_parallel import apply_tensor_parallel, gather_full_state_dict, tp_slice
 from dhp.stages.boundary import assemble, shard_gradients
 from dhp.stages.stage_worker import StageWorker
 
@@ -27,6 +28,11 @@ class TextWorker(StageWorker):
     def parallelize(self) -> None:
         if self.stage_cfg.parallelism == "tensor":
             apply_tensor_parallel(self.model, self.model_group)
+
+    def checkpoint_slicer(self):
+        if self.stage_cfg.parallelism != "tensor":
+            return None
+        return functools.partial(tp_slice, rank=self.model_rank, tp=self.degree, config=self.model_config)
 
     def full_state(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if self.stage_cfg.parallelism == "tensor":

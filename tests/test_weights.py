@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -113,3 +115,29 @@ def test_not_a_checkpoint_dir(tmp_path):
         load_stage_weights(vision, vision.hf_name, tmp_path, VISION)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         load_stage_weights(vision, vision.hf_name, tmp_path / "nope", VISION)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_rank_reads_only_its_slices(reference, tmp_path, rank):
+    """A TP rank's module holds slices; it fills them from the checkpoint with get_slice, full shapes checked."""
+    from dhp.models.tensor_parallel import shard_state_dict_for_rank, tp_slice
+
+    model, config, path = reference
+    text = TextModel(config)
+    full_shapes = {n: t.shape for n, t in text.state_dict().items()}
+    for name, p in text.named_parameters():  # the layout apply_tensor_parallel leaves (without its hooks)
+        idx = tp_slice(name, rank, 2, config)
+        if idx is not None:
+            p.data = p.data[idx].clone()
+    slicer = functools.partial(tp_slice, rank=rank, tp=2, config=config)
+    load_stage_weights(text, text.hf_name, path, TEXT, slicer=slicer, full_shapes=full_shapes)
+    full = {n: model.state_dict()[text.hf_name(n)] for n in full_shapes}
+    expected = shard_state_dict_for_rank(full, rank, 2, config)
+    for name, tensor in text.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+    state = _canonical_state(path)  # one row short: rank 0's slice would still fit, the full shape does not
+    state["lm_head.weight"] = state["lm_head.weight"][:-1].clone()
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="lm_head.weight: checkpoint shape"):
+        load_stage_weights(text, text.hf_name, tmp_path, TEXT, slicer=slicer, full_shapes=full_shapes)
