@@ -27,6 +27,25 @@ def ray_session():
         ray.shutdown()
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (||a|| when b is zero); inf when the shapes differ."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.detach(), b.detach()
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float(a.norm())
+
+
+def perturbed_reference(model_cls: type, config) -> torch.nn.Module:
+    """Seeded fp32 model whose norms and biases are non-trivial, so their gradients are tested too."""
+    torch.manual_seed(0)
+    model = model_cls(config).float().train()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
 def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     pixels = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()

@@ -24,15 +24,11 @@ from dhp.models.tensor_parallel import gather_full_state_dict
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import build_optimizer
 from dhp.stages.trainer import Trainer
+from tests.conftest import rel_err
 
 STEPS = 3
 SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
 TP2 = ["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    denom = b.norm()
-    return float((a - b).norm() / denom) if denom > 0 else float(a.norm())
 
 
 @pytest.fixture(scope="module")

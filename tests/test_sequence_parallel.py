@@ -22,6 +22,7 @@ from dhp.models import sequence_parallel as sp_mod
 from dhp.models.architectures import architecture_config
 from dhp.models.qwen2_5_vl import VisionModel
 from dhp.models.sequence_parallel import check_sp_degree, gather_merged, plan_shards, sp_vision_forward
+from tests.conftest import perturbed_reference, rel_err
 
 MAIN = [[1, 16, 20], [1, 8, 8], [1, 4, 6]]  # the last image is one window: smaller than sp x window
 CASES = {
@@ -32,23 +33,6 @@ CASES = {
 }
 EMPTY_RANKS = {("one_small_image", 2), ("one_small_image", 4), ("two_small_images", 4)}  # (case, world)
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5  # fp32; both measured below 1e-6 here
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return float("inf")
-    a, b = a.detach(), b.detach()
-    denom = b.norm()
-    return float((a - b).norm() / denom) if denom > 0 else float(a.norm())
-
-
-def reference_model(config) -> VisionModel:
-    torch.manual_seed(0)
-    model = VisionModel(config).float().train()
-    with torch.no_grad():  # non-trivial norms and biases, so their gradients are tested too
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model
 
 
 def reference_case(model: VisionModel, grid: list[list[int]], seed: int) -> dict:
@@ -122,7 +106,7 @@ def _worker(rank: int, world: int, port: int, state: dict, cases: dict, done_dir
 @pytest.fixture(scope="module")
 def reference():
     config = architecture_config("tiny")
-    model = reference_model(config)
+    model = perturbed_reference(VisionModel, config)
     cases = {name: reference_case(model, grid, seed) for seed, (name, grid) in enumerate(CASES.items())}
     return config, model, cases
 

@@ -25,16 +25,10 @@ from dhp.models.tensor_parallel import (
     shard_state_dict_for_rank,
     tp_slice,
 )
+from tests.conftest import perturbed_reference, rel_err
 
 IMAGE_PAD, END = 151655, 151643
 STEPS = 3
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return float("inf")
-    denom = b.norm()
-    return float((a - b).norm() / denom) if denom > 0 else float(a.norm())
 
 
 def make_batch(config):
@@ -70,15 +64,6 @@ def forward_backward(model, batch):
     return loss.detach(), vision.grad
 
 
-def reference_model(config):
-    torch.manual_seed(0)
-    model = TextModel(config).float().train()
-    with torch.no_grad():  # non-trivial norms and biases, so their gradients are tested too
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model
-
-
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -86,7 +71,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     )
     try:
         config = architecture_config("tiny")
-        ref = reference_model(config)
+        ref = perturbed_reference(TextModel, config)
         tp = copy.deepcopy(ref)
         apply_tensor_parallel(tp, dist.group.WORLD)
         ref_params = dict(ref.named_parameters())
