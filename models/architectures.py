@@ -49,19 +49,9 @@ def _released_text(
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        vision=dict(
-            depth=4,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            fullatt_block_indexes=[1, 3],
-            window_size=112,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            tokens_per_second=2,
-            hidden_act="silu",
-            out_hidden_size=64,
+        vision=dict(  # the released block structure at toy width: 2 of 4 blocks full-attention
+            _VISION_7B_CLASS, depth=4, hidden_size=64, intermediate_size=128, num_heads=4,
+            fullatt_block_indexes=[1, 3], out_hidden_size=64,
         ),
         text=dict(
             vocab_size=_QWEN_VOCAB,

@@ -36,7 +36,6 @@ class VisionModel(nn.Module):
         super().__init__()
         self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
         self.out_dim = config.vision_config.out_hidden_size
-        self.merge_unit = config.vision_config.spatial_merge_size**2
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         if grid_thw.numel() == 0:  # a text-only micro-batch: nothing to encode, nothing to send

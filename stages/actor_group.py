@@ -116,9 +116,6 @@ class ActorGroup:
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return ray.get(self.execute_all_async(method, *args, **kwargs))
 
-    def execute_rank_async(self, rank: int, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any:
-        return getattr(self.actors[rank], method).options(num_returns=num_returns).remote(*args, **kwargs)
-
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)

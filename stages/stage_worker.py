@@ -171,9 +171,6 @@ class StageWorker(DistributedWorker):
         """Full tensors from the model-parallel ranks' `local_state`s (rank order). Replicated: rank 0's."""
         return local_states[0]
 
-    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.model.hf_name(n): t for n, t in state.items()}
-
     def save_weights(self, out_dir: str, *other_ranks: dict[str, torch.Tensor]) -> dict[str, str]:
         """Write this stage as one shard of an HF checkpoint dir; returns its weight_map.
 
@@ -182,5 +179,6 @@ class StageWorker(DistributedWorker):
         """
         state = self.full_state([self.local_state(), *other_ranks])
         tied = tied_names(self.model, self.model.hf_name)
-        out = {k: v.contiguous() for k, v in self.to_hf(state).items() if k not in tied}
+        out = {self.model.hf_name(n): t.contiguous() for n, t in state.items()}
+        out = {name: t for name, t in out.items() if name not in tied}  # a tied lm_head is stored once
         return save_shard(out, Path(out_dir), f"model-{self.stage}.safetensors")
