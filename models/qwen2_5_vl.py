@@ -85,6 +85,18 @@ class TextModel(nn.Module):
         )
         return out.last_hidden_state
 
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        vision_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> torch.Tensor:
+        """Summed loss of the batch: `hidden_states` then `loss_sum` (one call, so wrappers such as FSDP
+        that act on `forward` see the whole use of the parameters)."""
+        return self.loss_sum(self.hidden_states(input_ids, vision_embeds, position_ids, attention_mask), labels)
+
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token cross-entropy over labelled positions.
 

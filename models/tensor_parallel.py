@@ -92,6 +92,16 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`_CopyToRegion` for other modules (the vision encoder's TP): identity forward, gradient all-reduced."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`_ReduceFromRegion` for other modules: all-reduced forward, identity backward."""
+    return _ReduceFromRegion.apply(x, group)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of logits sharded over the vocabulary [N, V/tp]; never gathers them."""
 

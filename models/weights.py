@@ -58,8 +58,9 @@ def load_stage_weights(
     hf_name,
     path: str | os.PathLike,
     prefixes: tuple[str, ...],
-    slicer: Callable[[str], tuple | None] | None = None,
+    slicer: Callable[[str], tuple | list | None] | None = None,
     full_shapes: dict[str, torch.Size] | None = None,
+    assign: Callable[[nn.Module, dict[str, torch.Tensor]], None] | None = None,
 ) -> None:
     """Fill `module` from the checkpoint at `path`; `hf_name` maps a module name to a checkpoint name.
 
@@ -67,7 +68,8 @@ def load_stage_weights(
     the module does not expect is reported, as is any expected tensor the checkpoint lacks.
     A sharded module passes `slicer` (module name -> index of this rank's part, None = whole tensor) and
     the unsharded `full_shapes`: each rank then reads only its slices (`get_slice`), never a full copy,
-    and the checkpoint's full shapes are still checked.
+    and the checkpoint's full shapes are still checked. `assign(module, state)` replaces the final
+    `load_state_dict` where parameters are not plain tensors (ZeRO-3: DTensors holding this rank's rows).
     """
     index = checkpoint_index(path)
     expected = {hf_name(n): n for n in module.state_dict(keep_vars=False)}
@@ -94,8 +96,14 @@ def load_stage_weights(
                     f"{name}: checkpoint shape {tuple(part.get_shape())}, model shape {tuple(shapes[local])}"
                 )
             idx = slicer(local) if slicer else None
-            state[local] = part[idx] if idx is not None else f.get_tensor(stored_as)
-    module.load_state_dict(state, strict=not tied)
+            if idx is None:
+                state[local] = f.get_tensor(stored_as)
+            else:  # a list (vision TP's fused qkv): this rank's row blocks, read one by one, concatenated
+                state[local] = torch.cat([part[i] for i in idx]) if isinstance(idx, list) else part[idx]
+    if assign is not None:
+        assign(module, state)
+    else:
+        module.load_state_dict(state, strict=not tied)
 
 
 def tied_names(module: nn.Module, hf_name) -> set[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 class DistributedWorker:
@@ -63,6 +64,16 @@ class DistributedWorker:
     def ping(self) -> int:
         return self.rank
 
+    def where(self) -> dict[str, Any]:
+        """Node, process and devices of this actor, for the start-up placement summary."""
+        return {
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "threads": torch.get_num_threads(),
+            "device": str(self.device),
+        }
+
 
 class ActorGroup:
     """N actors of one worker class, with per-actor resources and their own process group."""
@@ -78,13 +89,22 @@ class ActorGroup:
         torch_threads: int = 1,
         degree: int = 1,
         placement_timeout_s: float = 300,
+        placement: list[tuple[Any, int]] | None = None,
     ):
+        """`placement`: (placement group, bundle index) per actor (placement.py); None = anywhere."""
         if num_actors % degree:
             raise ValueError(f"{name}: {num_actors} actors cannot form groups of {degree}")
         self.name, self.degree, self.dp = name, degree, num_actors // degree
         remote_cls = ray.remote(worker_cls)
+
+        def options(rank: int) -> dict[str, Any]:
+            if placement is None:
+                return {}
+            group, bundle = placement[rank]
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, bundle)}
+
         self.actors = [
-            remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, name=None).remote(
+            remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, **options(rank)).remote(
                 *init_args, rank=rank, world_size=num_actors, torch_threads=torch_threads
             )
             for rank in range(num_actors)

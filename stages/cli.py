@@ -3,7 +3,9 @@
     dhp train [--config PRESET_OR_YAML] [KEY=VALUE ...]
     dhp data synth --out DIR --num N --seed S [--eval-num M]
     dhp config [--config PRESET_OR_YAML] [KEY=VALUE ...]     (print the resolved config)
+    dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
+    dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M]   (pipelined vs serial steps)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -38,12 +40,21 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--eval-num", type=int, default=None)
     synth.add_argument("--seed", type=int, default=0)
 
+    export = sub.add_parser("export-hf", help="dhp checkpoint (per-rank shards) -> Hugging Face directory")
+    export.add_argument("--checkpoint", required=True, help="RUN_DIR/checkpoints/step_N")
+    export.add_argument("--out", required=True, help="output directory (from_pretrained loads it)")
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     layouts = bench.add_parser("layouts", help="vision-encoder layouts: comm and activation bytes per rank")
     layouts.add_argument("--json", default=None, help="write the rows here")
     layouts.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
     layouts.add_argument("--budget-gib", type=float, default=40.0, help="per-rank activation budget")
     layouts.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element, real-shape rows")
+    pipe = bench.add_parser("pipeline", help="pipelined vs serial micro-batch order: step time, bubble, overhead")
+    pipe.add_argument("--json", default=None, help="write the rows here (traces beside it)")
+    pipe.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
+    pipe.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5)")
+    pipe.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12)")
     return p
 
 
@@ -67,10 +78,19 @@ def main(argv: list[str] | None = None) -> int:
             s = write_synthetic_dataset(args.out, args.num, seed=args.seed, eval_num=args.eval_num)
             state = "already present" if s.reused else "written"
             print(f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images {state} in {s.out_dir}")
+        elif args.command == "export-hf":
+            from dhp.models.export import export_hf
+
+            weight_map = export_hf(args.checkpoint, args.out)
+            print(f"{len(weight_map)} tensors written to {args.out}")
         elif args.command == "bench" and args.bench_command == "layouts":
             from dhp.scripts.bench_layouts import main as bench_layouts
 
             return bench_layouts(args)
+        elif args.command == "bench" and args.bench_command == "pipeline":
+            from dhp.scripts.bench_pipeline import main as bench_pipeline
+
+            return bench_pipeline(args)
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"dhp: error: {e}", file=sys.stderr)
         return 2

@@ -84,6 +84,13 @@ class TrainingConfig:
 
 
 @dataclass
+class PipelineConfig:
+    max_in_flight: int = 2  # vision forwards that may run ahead of the text stage (1 = serial, no overlap)
+    placement: Literal["shared", "disjoint"] = "shared"  # shared: vision+text actors share bundles (GPUs)
+    trace: bool = False  # write RUN_DIR/trace.json: every stage call on a timeline (chrome://tracing)
+
+
+@dataclass
 class RayConfig:
     address: str | None = None  # None: RAY_ADDRESS if set, else start a local Ray
     num_cpus: float | None = None  # CPUs of a locally started Ray (None: all)
@@ -103,6 +110,7 @@ class Config:
     text: StageConfig = field(default_factory=StageConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -252,6 +260,7 @@ def validate(config: Config) -> None:
         (d.min_pixels <= d.max_pixels, "data.min_pixels must be <= data.max_pixels"),
         (d.max_seq_len <= d.microbatch_tokens, "data.max_seq_len must be <= data.microbatch_tokens"),
         (d.preprocess_workers >= 1, "data.preprocess_workers must be >= 1"),
+        (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),
     ]
     for stage in ("vision", "text"):
         s: StageConfig = getattr(config, stage)

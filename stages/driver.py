@@ -91,11 +91,17 @@ def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
             metrics.flush()
             history.append(record["loss"])
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            busy = f"{record['vision_busy']:.2f}/{record['text_busy']:.2f}"
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", busy_vt=busy,
+                            bubble=f"{record['bubble']:.2f}")
             if not bar.interactive and (step % max(1, t.log_every * 10) == 0 or step == steps):
-                print(f"step {step}/{steps} loss {record['loss']:.4f} tok/s {record['tokens_per_s']:.0f}", flush=True)
+                print(f"step {step}/{steps} loss {record['loss']:.4f} tok/s {record['tokens_per_s']:.0f} "
+                      f"busy vision/text {busy} bubble {record['bubble']:.2f}", flush=True)
+    if cfg.pipeline.trace:
+        trainer.write_trace(run_dir / "trace.json")
     if cfg.output.save_final_checkpoint:
-        trainer.save_weights(run_dir / "checkpoint")
+        trainer.save_checkpoint(run_dir / "checkpoints" / f"step_{steps:06d}")  # per rank, any layout
+        trainer.save_weights(run_dir / "checkpoint")  # Hugging Face format
     summary = {
         "run_dir": str(run_dir),
         "steps": steps,

@@ -13,7 +13,7 @@ import ray
 from dhp.stages.actor_group import ActorGroup
 from dhp.stages.config import Config, ConfigError
 
-AVAILABLE = {"vision": ("none", "sequence"), "text": ("none", "tensor")}  # layouts this version implements
+AVAILABLE = {"vision": ("none", "sequence", "tensor", "zero3"), "text": ("none", "tensor", "zero3")}
 
 
 def data_parallel_size(cfg: Config) -> int:
@@ -38,6 +38,12 @@ def check_layout(cfg: Config, model_config=None) -> None:
                 f"{stage}.degree={s.degree} needs a parallel layout; with {stage}.parallelism=none use "
                 f"{stage}.degree=1 ({stage}.num_actors then counts data-parallel replicas)"
             )
+        if s.parallelism == "zero3" and s.degree != 1:
+            raise ConfigError(
+                f"{stage}.degree={s.degree}: zero3 shards the model over the whole pool and every actor reads "
+                f"its own samples; use {stage}.degree=1 ({stage}.num_actors is both the shard and the "
+                f"data-parallel size)"
+            )
     dp_v, dp_t = cfg.vision.num_actors // cfg.vision.degree, cfg.text.num_actors // cfg.text.degree
     if dp_v != dp_t:
         raise ConfigError(
@@ -48,10 +54,13 @@ def check_layout(cfg: Config, model_config=None) -> None:
     if model_config is not None:
         from dhp.models.sequence_parallel import check_sp_degree
         from dhp.models.tensor_parallel import check_tp_degree
+        from dhp.models.vision_tensor_parallel import check_vision_tp_degree
 
         try:
             if cfg.vision.parallelism == "sequence":
                 check_sp_degree(model_config.vision_config.num_heads, cfg.vision.degree)
+            if cfg.vision.parallelism == "tensor":
+                check_vision_tp_degree(cfg.vision.degree, model_config.vision_config)
             if cfg.text.parallelism == "tensor":
                 check_tp_degree(cfg.text.degree, model_config)
         except ValueError as e:
@@ -64,6 +73,25 @@ def check_layout(cfg: Config, model_config=None) -> None:
 
 
 class StagePool(ActorGroup):
+    """Under ZeRO-3 (`zero3`) one copy of the model is spread over the whole pool, and every replica must
+    run every call (the per-block all-gathers span all ranks): the trainer pads short replicas with
+    `None` micro-batches, which only a `zero3` pool acts on."""
+
+    parallelism = "none"  # the stage's layout, set by the trainer
+
+    @property
+    def zero3(self) -> bool:
+        return self.parallelism == "zero3"
+
+    def state_ranks(self, replica: int = 0) -> list:
+        """The actors whose local states together make one full copy of the model."""
+        return self.actors if self.zero3 else self.replica(replica)
+
+    def full_state(self, replica: int = 0, grads: bool = False) -> ray.ObjectRef:
+        """Ref of the full parameters (or gradients) of one replica, assembled on its first rank."""
+        first, *others = self.state_ranks(replica)
+        return first.full_state_of.remote(*[a.local_state.remote(grads) for a in others], grads=grads)
+
     def sync_grads(self) -> list[ray.ObjectRef]:
         """Sum gradients across data-parallel replicas (every rank joins)."""
         return self.execute_all_async("sync_grads")
@@ -75,37 +103,51 @@ class StagePool(ActorGroup):
     def optimizer_step(self, clip_coef: float) -> list[ray.ObjectRef]:
         return self.execute_all_async("optimizer_step", clip_coef)
 
-    def local_states(self, replica: int = 0, grads: bool = False) -> list[ray.ObjectRef]:
-        """Refs of each model-parallel rank's local parameters (or gradients) in one replica."""
-        return [a.local_state.remote(grads) for a in self.replica(replica)]
-
     def save_weights(self, out_dir: str) -> ray.ObjectRef:
         """Rank 0 of replica 0 writes the stage's full tensors; the other ranks' shards go to it by ref."""
-        first, *others = self.replica(0)
+        first, *others = self.state_ranks(0)
         return first.save_weights.remote(out_dir, *[a.local_state.remote() for a in others])
 
 
 class VisionPool(StagePool):
-    def forward(self, replica: int, mb_id: int, inputs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """inputs[j]: rank j's pixels -> refs of the merged-token shards, one per rank (boundary.py)."""
+    def forward(self, replica: int, mb_id: int, inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
+        """inputs[j]: rank j's pixels -> refs of the merged-token shards, one per rank (boundary.py).
+
+        inputs None: a padding micro-batch (see the class docstring): no shards unless zero3."""
+        if inputs is None:
+            inputs = [None] * self.degree if self.zero3 else []
+        if self.parallelism == "tensor":
+            # Every TP rank encodes the same pixels and ends with the same full merged sequence: one
+            # shard (rank 0's) crosses the boundary; the others only join the all-reduces.
+            return [a.forward.remote(mb_id, x) for a, x in zip(self.replica(replica), inputs * self.degree)][:1]
         return [a.forward.remote(mb_id, x) for a, x in zip(self.replica(replica), inputs)]
 
     def backward(self, replica: int, mb_id: int, grads: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """grads[j]: d loss / d shard j. Fewer grads than ranks only for a padding micro-batch (zeros)."""
+        if self.zero3 and not grads:
+            grads = [None] * self.degree
+        if self.parallelism == "tensor" and grads:
+            grads = grads * self.degree  # the replicated output's gradient, to every TP rank (row-parallel adjoint)
         return [a.backward.remote(mb_id, g) for a, g in zip(self.replica(replica), grads)]
 
     def forward_eval(self, replica: int, inputs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        if self.parallelism == "tensor":  # as in `forward`: all ranks run, rank 0's output crosses
+            return [a.forward_eval.remote(inputs[0]) for a in self.replica(replica)][:1]
         return [a.forward_eval.remote(x) for a, x in zip(self.replica(replica), inputs)]
 
 
 class TextPool(StagePool):
     def forward_backward(
-        self, replica: int, mb_id: int, inputs: ray.ObjectRef, shards: list[ray.ObjectRef], loss_scale: float
-    ) -> tuple[ray.ObjectRef, list[ray.ObjectRef]]:
+        self, replica: int, mb_id: int, inputs: ray.ObjectRef | None, shards: list[ray.ObjectRef], loss_scale: float
+    ) -> tuple[ray.ObjectRef | None, list[ray.ObjectRef]]:
         """-> (ref of the micro-batch's scaled loss, refs of d loss / d shard, one per vision rank).
 
         Every rank of the replica runs (tensor-parallel collectives need all of them); rank 0's loss and
-        gradients are the replica's — the others are identical copies.
+        gradients are the replica's — the others are identical copies. inputs None: a padding
+        micro-batch (class docstring): (None, []) unless zero3.
         """
+        if inputs is None and not self.zero3:
+            return None, []
         outs = [
             a.forward_backward.options(num_returns=1 + len(shards)).remote(mb_id, inputs, loss_scale, *shards)
             for a in self.replica(replica)

@@ -9,6 +9,7 @@ and hands every worker the same clip coefficient.
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,12 @@ import torch
 from torch import nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+from dhp.models.layouts import gather_stage_state
 from dhp.models.weights import load_stage_weights, save_shard, tied_names
+from dhp.models.zero3 import apply_zero3, local_tensor, zero3_slice
 from dhp.stages.actor_group import DistributedWorker
 from dhp.stages.config import Config
+from dhp.stages.trace import EventRecorder
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -61,6 +65,21 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
+def recorded(name: str):
+    """Time a worker method on the actor's timeline (trace.py); the micro-batch id is its first argument."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self, *args, **kwargs):
+            mb = args[0] if args and isinstance(args[0], int) and name != "optimizer_step" else -1
+            with self.recorder.record(name, mb):
+                return method(self, *args, **kwargs)
+
+        return timed
+
+    return wrap
+
+
 class StageWorker(DistributedWorker):
     """A stage's model on one actor. Subclasses build `self.model` and define forward/backward."""
 
@@ -78,14 +97,20 @@ class StageWorker(DistributedWorker):
         Runs after the process groups exist, since the parallel layouts need them.
         """
         torch.manual_seed(self.cfg.model.init_seed)
+        self.recorder = EventRecorder(self.stage, self.rank)
         self.grad_sync_group = self.dp_group  # data-parallel replicas; parallelize() may widen it
+        self.zero3 = self.stage_cfg.parallelism == "zero3"
         self.model = self.build_model(self.model_config)
-        full_shapes = {n: t.shape for n, t in self.model.state_dict().items()}
-        self.parallelize()
+        self.full_shapes = {n: t.shape for n, t in self.model.state_dict().items()}
+        if self.zero3:
+            apply_zero3(self.model, self.zero3_units(), self.world_size, self.device)
+        else:
+            self.parallelize()
         if self.cfg.model.path:  # after parallelize: a sharded rank reads only its own slices
             load_stage_weights(
                 self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes,
-                slicer=self.checkpoint_slicer(), full_shapes=full_shapes,
+                slicer=self.checkpoint_slicer(), full_shapes=self.full_shapes,
+                assign=_assign_local_rows if self.zero3 else None,
             )
         self.model.to(self.device).train()
         self.optimizer, self.scheduler = build_optimizer(
@@ -99,12 +124,18 @@ class StageWorker(DistributedWorker):
     def parallelize(self) -> None:
         """Apply the stage's layout to `self.model` inside `self.model_group` (none: nothing to do)."""
 
+    def zero3_units(self) -> list[nn.Module]:
+        """The modules ZeRO-3 gathers one at a time (blocks); the rest goes with the root."""
+        raise NotImplementedError
+
     def zero_group(self) -> Any:
         """The group the optimizer state is sharded over (ZeRO-1), or False for a replicated optimizer."""
         return False
 
     def checkpoint_slicer(self):
         """module name -> index of this rank's part of the full tensor (None: whole); None if unsharded."""
+        if self.zero3:
+            return lambda name: zero3_slice(self.rank, self.world_size, self.full_shapes[name][0])
         return None
 
     def autocast(self):
@@ -122,6 +153,8 @@ class StageWorker(DistributedWorker):
         import torch.distributed as dist
 
         group = self.grad_sync_group
+        if self.zero3:
+            return  # FSDP already reduce-scattered (summed) every micro-batch's gradients in its backward
         if self._synced or (self.world_size if group is None else dist.get_world_size(group)) == 1:
             return  # idempotent: a second sync in the same step would double the gradients
         self._synced = True
@@ -139,15 +172,23 @@ class StageWorker(DistributedWorker):
 
         Replicas hold identical gradients after the sync, so only replica 0 reports; inside it a sharded
         parameter (`_dhp_sharded`) is counted on every rank, a replicated one on model-parallel rank 0.
+        Under ZeRO-3 every rank is a replica holding distinct rows of every gradient: all report.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.replica != 0:
+        if self.replica != 0 and not self.zero3:
             return 0.0
         for p in self.model.parameters():
             if p.grad is not None and (getattr(p, "_dhp_sharded", False) or self.model_rank == 0):
-                total += p.grad.detach().double().pow(2).sum()
+                total += local_tensor(p.grad).detach().double().pow(2).sum()
         return float(total)
 
+    def drain_events(self, next_step: int) -> list[dict[str, Any]]:
+        """The calls recorded since the last drain (trace.StageEvent dicts); later ones count as `next_step`."""
+        events = self.recorder.drain()
+        self.recorder.step = next_step
+        return events
+
+    @recorded("optimizer_step")
     def optimizer_step(self, clip_coef: float) -> float:
         """Scale gradients by the global clip coefficient, step, zero; returns the LR that was used."""
         if clip_coef < 1.0:
@@ -162,14 +203,27 @@ class StageWorker(DistributedWorker):
         return lr
 
     def local_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's parameters (or gradients) under module names, CPU copies: shards under TP."""
+        """This rank's parameters (or gradients) under module names, CPU copies: shards under TP / ZeRO-3."""
         if grads:
-            return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
-        return {n: t.detach().cpu().clone() for n, t in self.model.state_dict().items()}
+            named = ((n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None)
+        else:
+            named = self.model.state_dict().items()
+        return {n: local_tensor(t).detach().cpu().clone() for n, t in named}
 
     def full_state(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Full tensors from the model-parallel ranks' `local_state`s (rank order). Replicated: rank 0's."""
-        return local_states[0]
+        """Full tensors from the `local_state`s of the ranks that hold one copy of the model, in rank order
+        (one replica's model-parallel ranks; the whole pool under ZeRO-3). Replicated: rank 0's."""
+        return gather_stage_state(self.stage, self.stage_cfg.parallelism, local_states, self.model_config)
+
+    def full_state_of(self, *other_ranks: dict[str, torch.Tensor], grads: bool = False) -> dict[str, torch.Tensor]:
+        """`full_state` with this rank's own local state first (the others arrive as object refs)."""
+        return self.full_state([self.local_state(grads), *other_ranks])
+
+    def save_local(self, out_dir: str) -> str:
+        """This rank's local tensors as `{stage}-rank{rank:05d}.safetensors` in a dhp checkpoint dir."""
+        name = f"{self.stage}-rank{self.rank:05d}.safetensors"
+        save_shard(self.local_state(), Path(out_dir), name)
+        return name
 
     def save_weights(self, out_dir: str, *other_ranks: dict[str, torch.Tensor]) -> dict[str, str]:
         """Write this stage as one shard of an HF checkpoint dir; returns its weight_map.
@@ -177,8 +231,16 @@ class StageWorker(DistributedWorker):
         Called on model-parallel rank 0 of replica 0 with the other ranks' `local_state`s (passed as
         object refs by the driver, resolved here: actor to actor).
         """
-        state = self.full_state([self.local_state(), *other_ranks])
+        state = self.full_state_of(*other_ranks)
         tied = tied_names(self.model, self.model.hf_name)
         out = {self.model.hf_name(n): t.contiguous() for n, t in state.items()}
         out = {name: t for name, t in out.items() if name not in tied}  # a tied lm_head is stored once
         return save_shard(out, Path(out_dir), f"model-{self.stage}.safetensors")
+
+
+def _assign_local_rows(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy each rank's checkpoint rows into its ZeRO-3 shard (a DTensor's local tensor)."""
+    own = module.state_dict()
+    with torch.no_grad():
+        for name, rows in state.items():
+            local_tensor(own[name]).copy_(rows)

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from dhp.models.qwen2_5_vl import TextModel
-from dhp.models.tensor_parallel import apply_tensor_parallel, gather_full_state_dict, tp_slice
+from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
+from dhp.models.tensor_parallel import apply_tensor_parallel, tp_slice
 from dhp.stages.boundary import assemble, shard_gradients
-from dhp.stages.stage_worker import StageWorker
+from dhp.stages.stage_worker import StageWorker, recorded
 
 
 class TextWorker(StageWorker):
@@ -31,25 +31,40 @@ class TextWorker(StageWorker):
 
     def checkpoint_slicer(self):
         if self.stage_cfg.parallelism != "tensor":
-            return None
+            return super().checkpoint_slicer()
         return functools.partial(tp_slice, rank=self.model_rank, tp=self.degree, config=self.model_config)
 
-    def full_state(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        if self.stage_cfg.parallelism == "tensor":
-            return gather_full_state_dict(local_states, self.model_config)
-        return local_states[0]
+    def zero3_units(self) -> list:
+        return list(self.model.language_model.layers)
+
+    def _null_inputs(self) -> dict[str, torch.Tensor]:
+        """Two text tokens, the second labelled: runs every layer and lm_head; used with loss_scale 0.
+
+        A ZeRO-3 replica that has run out of micro-batches still has to join the others' per-layer
+        all-gathers and reduce-scatters (invariant 2); its contribution to every gradient is exactly 0.
+        """
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        return {
+            "input_ids": ids,
+            "labels": torch.tensor([[IGNORE_INDEX, 0]]),
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(2).expand(3, 1, 2).clone(),
+        }
 
     def _loss_sum(self, inputs: dict[str, torch.Tensor], shards: list[torch.Tensor]) -> torch.Tensor:
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
-        vision_embeds = assemble(shards, inputs.get("merged_index"))
+        if shards:
+            vision_embeds = assemble(shards, inputs.get("merged_index"))
+        else:  # a padding micro-batch with no vision call behind it
+            vision_embeds = torch.zeros(0, self.model_config.text_config.hidden_size, device=self.device)
         with self.autocast():
-            hidden = self.model.hidden_states(
-                inputs["input_ids"], vision_embeds, inputs["position_ids"], inputs["attention_mask"]
+            return self.model(
+                inputs["input_ids"], vision_embeds, inputs["position_ids"], inputs["attention_mask"], inputs["labels"]
             )
-            return self.model.loss_sum(hidden, inputs["labels"])
 
+    @recorded("forward_backward")
     def forward_backward(
-        self, mb_id: int, inputs: dict[str, torch.Tensor], loss_scale: float, *shards: torch.Tensor
+        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: torch.Tensor
     ) -> tuple:
         """(loss of this micro-batch x loss_scale, d loss / d shard_1, ..., d loss / d shard_k).
 
@@ -57,6 +72,8 @@ class TextWorker(StageWorker):
         accumulated, data-parallel-summed gradient that of the mean loss over the global batch, however
         it was split into replicas and micro-batches. `shards` are the vision ranks' outputs (boundary.py).
         """
+        if inputs is None:  # padding for a lockstep (ZeRO-3) replica: no data, every collective
+            inputs, loss_scale = self._null_inputs(), 0.0
         received = [s.to(self.device).requires_grad_(True) for s in shards]
         loss = self._loss_sum(inputs, received) * loss_scale
         loss.backward()

@@ -14,14 +14,18 @@ from typing import Any
 import ray
 from transformers import Qwen2_5_VLConfig
 
-from dhp.dataflow.loader import BatchLoader, GlobalBatch
+from dhp.dataflow.loader import BatchLoader, GlobalBatch, MicroBatch
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.models.architectures import architecture_config
+from dhp.models.export import write_meta
 from dhp.models.weights import write_index
 from dhp.stages.config import Config, ConfigError
+from dhp.stages.placement import describe, place_pools
 from dhp.stages.pools import TextPool, VisionPool, check_layout, data_parallel_size
+from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD, pipeline_schedule
 from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
+from dhp.stages.trace import busy_fractions, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
 
 
@@ -62,9 +66,11 @@ class Trainer:
         train_paths: list[str] | None = None,
         eval_paths: list[str] | None = None,
         image_root: str = "",
+        model_config: Qwen2_5_VLConfig | None = None,
     ):
+        """`model_config` replaces the one `cfg.model` describes (benchmarks that vary the shape)."""
         self.cfg = cfg
-        self.model_config = model_config_of(cfg)
+        self.model_config = model_config or model_config_of(cfg)
         check_layout(cfg, self.model_config)
         d = cfg.data
         settings = PreprocessSettings(
@@ -77,8 +83,13 @@ class Trainer:
         # Pools first: their rendezvous needs every rank placed at once, while the loaders' Ray Data
         # work can wait for whatever CPU is left.
         check_resources(cfg)
+        self.placement = place_pools(cfg)
         self.vision = self._pool("vision", VisionPool, VisionWorker)
         self.text = self._pool("text", TextPool, TextWorker)
+        where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
+        print(describe(self.placement, where), flush=True)
+        self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
+        self.step = 0
         loader_cls = ray.remote(num_cpus=LOADER_CPUS)(BatchLoader)
         self.dp = data_parallel_size(cfg)
         common = dict(
@@ -99,11 +110,16 @@ class Trainer:
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):
         s = getattr(self.cfg, stage)
-        return pool_cls(
+        pool = pool_cls(
             stage, worker_cls, s.num_actors, init_args=(self.cfg, self.model_config),
             num_cpus=s.num_cpus_per_actor, num_gpus=s.num_gpus_per_actor, torch_threads=s.torch_threads,
-            degree=s.degree,
+            degree=s.degree, placement=getattr(self.placement, stage),
         )
+        pool.parallelism = s.parallelism
+        return pool
+
+    def pools(self) -> list[tuple[str, VisionPool | TextPool]]:
+        return [("vision", self.vision), ("text", self.text)]
 
     def next_batch(self) -> list[ray.ObjectRef]:
         """Refs of the next global batch: one part per data-parallel replica."""
@@ -112,18 +128,35 @@ class Trainer:
     def accumulate(self, batches: list[GlobalBatch]) -> float:
         """Forward + backward of every micro-batch of every replica; gradients accumulate in the actors.
 
-        Replicas run concurrently (different actors); inside a replica, its micro-batches queue up in
-        order on its actors. Returns the global batch's mean loss.
+        Each replica's calls are submitted in `pipeline_schedule` order (vision forwards up to
+        `pipeline.max_in_flight` ahead of the text stage); replicas have their own actors and run
+        concurrently. Only references move through here. Returns the global batch's mean loss.
         """
         loss_scale = 1.0 / max(1, sum(b.label_tokens for b in batches))  # mean over all label tokens
         losses = []
-        for r, batch in enumerate(batches):
-            for i, mb in enumerate(batch.microbatches):
-                shards = self.vision.forward(r, i, mb.vision)
-                loss, shard_grads = self.text.forward_backward(r, i, mb.text, shards, loss_scale)
-                self.vision.backward(r, i, shard_grads)
-                losses.append(loss)
-        return sum(ray.get(losses))
+        submit_start = time.perf_counter()
+        for r, mbs in enumerate(self._lockstep(batches)):
+            shards, grads = {}, {}  # refs in flight: mb -> vision output shards / their gradients
+            for op in pipeline_schedule(len(mbs), self.cfg.pipeline.max_in_flight):
+                mb, i = mbs[op.mb], op.mb
+                if op.kind == VISION_FORWARD:
+                    shards[i] = self.vision.forward(r, i, mb and mb.vision)
+                elif op.kind == TEXT_FORWARD_BACKWARD:
+                    loss, grads[i] = self.text.forward_backward(r, i, mb and mb.text, shards.pop(i), loss_scale)
+                    losses.append(loss)
+                else:
+                    self.vision.backward(r, i, grads.pop(i))
+        # Driver-side cost of scheduling (everything above is non-blocking submission), per micro-batch.
+        self.submit_s_per_microbatch = (time.perf_counter() - submit_start) / max(1, len(losses))
+        return sum(ray.get([loss for loss in losses if loss is not None]))
+
+    def _lockstep(self, batches: list[GlobalBatch]) -> list[list[MicroBatch | None]]:
+        """Each replica's micro-batches; under ZeRO-3, short replicas padded with None to the longest."""
+        mbs = [list(b.microbatches) for b in batches]
+        if self.vision.zero3 or self.text.zero3:
+            n = max(map(len, mbs))
+            mbs = [m + [None] * (n - len(m)) for m in mbs]
+        return mbs
 
     def optimizer_step(self) -> tuple[float, float]:
         """Sum gradients over replicas, clip by the global norm over both pools, step. -> (norm, lr)."""
@@ -134,10 +167,12 @@ class Trainer:
         return grad_norm, lr
 
     def train_step(self, batches: list[GlobalBatch]) -> dict[str, Any]:
-        start = time.perf_counter()
+        self.step += 1
+        start, wall_start = time.perf_counter(), time.time()
         loss = self.accumulate(batches)
         grad_norm, lr = self.optimizer_step()
         elapsed = time.perf_counter() - start
+        pipeline = self._pipeline_stats(wall_start)
         tokens = sum(b.tokens for b in batches)
         skipped: dict[str, int] = {}
         for b in batches:
@@ -154,7 +189,27 @@ class Trainer:
             "tokens_per_s": tokens / elapsed,
             "epoch": batches[0].epoch,
             "skipped": skipped,
+            "driver_ms_per_microbatch": round(self.submit_s_per_microbatch * 1e3, 4),
+            **pipeline,
         }
+
+    def _pipeline_stats(self, wall_start: float) -> dict[str, float]:
+        """Busy fractions of the pools and the bubble over this step's forward/backward phase (trace.py).
+
+        The window runs from the first submission to the last forward/backward call's end; the optimizer
+        step (a barrier of both pools) is left out. Every actor's events are drained, so none pile up.
+        """
+        events = [e for evs in ray.get(
+            [a.drain_events.remote(self.step + 1) for _, pool in self.pools() for a in pool.actors]
+        ) for e in evs]
+        if self.cfg.pipeline.trace:
+            self.events += events
+        compute = [e for e in events if e["name"] != "optimizer_step"]
+        end = max((e["end"] for e in compute), default=wall_start)
+        return {k: round(v, 4) for k, v in busy_fractions(compute, wall_start, end).items()}
+
+    def write_trace(self, path: Path) -> None:
+        write_chrome_trace(self.events, path)
 
     def evaluate(self) -> float | None:
         """Mean loss per label token over the first `training.eval_batches` held-out global batches."""
@@ -167,10 +222,14 @@ class Trainer:
                 if batch is None:
                     break
                 self._eval_batches.append(batch)
+        # On replica 0: evaluation is small and needs no gradient sync. Under ZeRO-3 every replica runs
+        # the same batches (the per-block all-gathers span the pool) and replica 0's sums are taken.
+        replicas = range(self.dp) if self.vision.zero3 or self.text.zero3 else range(1)
         sums, count = [], 0
-        for batch in self._eval_batches:  # on replica 0: evaluation is small and needs no gradient sync
+        for batch in self._eval_batches:
             for mb in batch.microbatches:
-                sums.append(self.text.forward_eval(0, mb.text, self.vision.forward_eval(0, mb.vision)))
+                out = [self.text.forward_eval(r, mb.text, self.vision.forward_eval(r, mb.vision)) for r in replicas]
+                sums.append(out[0])
                 count += mb.meta.label_tokens
         return sum(ray.get(sums)) / max(1, count)
 
@@ -180,6 +239,16 @@ class Trainer:
         for shard in ray.get([pool.save_weights(str(out_dir)) for pool in (self.vision, self.text)]):
             weight_map.update(shard)
         write_index(out_dir, weight_map, self.model_config)
+
+    def save_checkpoint(self, ckpt_dir: Path) -> None:
+        """A dhp checkpoint: every rank writes its local tensors (no gathering); `dhp export-hf` converts it."""
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        ray.get([a.save_local.remote(str(ckpt_dir)) for _, pool in self.pools() for a in pool.actors])
+        layout = {
+            stage: {"parallelism": s.parallelism, "degree": s.degree, "num_actors": s.num_actors}
+            for stage, s in (("vision", self.cfg.vision), ("text", self.cfg.text))
+        }
+        write_meta(ckpt_dir, layout, self.step, self.model_config)
 
     def skip_report(self) -> dict[str, Any]:
         reports = ray.get([loader.skip_report.remote() for loader in self.loaders])
@@ -196,3 +265,4 @@ class Trainer:
     def shutdown(self) -> None:
         for pool in (self.vision, self.text):
             pool.shutdown()
+        self.placement.remove()

@@ -8,13 +8,15 @@ until `backward` receives d(loss)/d(embeddings) of the same shape from the text 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from dhp.models.qwen2_5_vl import VisionModel
 from dhp.models.sequence_parallel import check_sp_degree, plan_shards, sp_vision_forward
-from dhp.stages.stage_worker import StageWorker
+from dhp.models.vision_tensor_parallel import apply_vision_tensor_parallel, vision_tp_slice
+from dhp.stages.stage_worker import StageWorker, recorded
 
 
 class VisionWorker(StageWorker):
@@ -29,11 +31,19 @@ class VisionWorker(StageWorker):
         return VisionModel(model_config)
 
     def parallelize(self) -> None:
+        if self.stage_cfg.parallelism == "tensor":
+            apply_vision_tensor_parallel(self.model, self.model_group)
         if self.stage_cfg.parallelism == "sequence":
             check_sp_degree(self.model_config.vision_config.num_heads, self.degree)
             # SP ranks see different patches: their parameter gradients are partial sums over the
             # sequence, summed over the whole pool (SP x DP) before the step.
             self.grad_sync_group = None
+
+    def checkpoint_slicer(self):
+        if self.stage_cfg.parallelism != "tensor":
+            return super().checkpoint_slicer()
+        vision_config = self.model_config.vision_config
+        return functools.partial(vision_tp_slice, rank=self.model_rank, tp=self.degree, vision_config=vision_config)
 
     def zero_group(self) -> Any:
         """ZeRO-1 over the whole pool under SP: every rank holds the same summed gradients after `sync_grads`.
@@ -47,8 +57,24 @@ class VisionWorker(StageWorker):
         """
         return None if self.stage_cfg.parallelism == "sequence" and self.world_size > 1 else False
 
-    def _encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def zero3_units(self) -> list:
+        return [*self.model.visual.blocks, self.model.visual.merger]
+
+    def _placeholder(self) -> dict[str, torch.Tensor]:
+        """One 28x28 image of zeros (4 patches, 1 merged token).
+
+        Under ZeRO-3 a rank with no image in a micro-batch (or a padding micro-batch) still has to join
+        every block's all-gather and reduce-scatter (invariant 2): it encodes this, sends nothing on and
+        backpropagates zeros through it, so every gradient it adds is exactly 0.
+        """
+        v = self.model_config.vision_config
+        patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        return {"pixel_values": torch.zeros(4, patch), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+
+    def _encode(self, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """This rank's merged tokens: all of them, or (SP) its window-ordered shard [S_r / 4, D]."""
+        if inputs is None or (self.zero3 and inputs["image_grid_thw"].numel() == 0):
+            return self._encode(self._placeholder())[:0]  # rows of nothing, graph of everything
         pixels, grid = inputs["pixel_values"].to(self.device), inputs["image_grid_thw"]
         with self.autocast():
             if self.stage_cfg.parallelism != "sequence" or grid.numel() == 0:
@@ -57,15 +83,20 @@ class VisionWorker(StageWorker):
             plan = plan_shards(grid, self.degree, self.model_config)
             return sp_vision_forward(self.model.visual, pixels, grid, plan, self.model_rank, self.model_group)
 
-    def forward(self, mb_id: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    @recorded("forward")
+    def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """inputs None: a padding micro-batch of a lockstep (ZeRO-3) replica."""
         embeds = self._encode(inputs)
         if embeds.requires_grad:
             self.pending[mb_id] = embeds
         return embeds.detach().float().cpu()
 
-    def backward(self, mb_id: int, grad: torch.Tensor) -> int:
+    @recorded("backward")
+    def backward(self, mb_id: int, grad: torch.Tensor | None) -> int:
+        """grad None: a padding micro-batch, whose (placeholder) output got no gradient: zeros."""
         embeds = self.pending.pop(mb_id, None)  # None: a text-only micro-batch had nothing to encode
         if embeds is not None:
+            grad = torch.zeros_like(embeds) if grad is None else grad
             # Even an empty SP shard runs its backward: its graph holds the all-to-alls the other ranks
             # of the replica are about to join (invariant 2).
             embeds.backward(grad.to(device=embeds.device, dtype=embeds.dtype))

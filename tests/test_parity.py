@@ -20,7 +20,6 @@ from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
 from dhp.models.architectures import architecture_config
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.tensor_parallel import gather_full_state_dict
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import build_optimizer
 from dhp.stages.trainer import Trainer
@@ -45,17 +44,12 @@ def setup(tmp_path_factory, parity_data):
     return ref, ckpt, samples
 
 
-def collect(trainer: Trainer, cfg, grads: bool = False) -> dict[str, torch.Tensor]:
+def collect(trainer: Trainer, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors under HF names from every replica, asserting that all replicas agree."""
     out: dict[str, torch.Tensor] = {}
     for pool, module in ((trainer.vision, VisionModel), (trainer.text, TextModel)):
-        for r in range(pool.dp):
-            states = ray.get(pool.local_states(r, grads))
-            if module is TextModel and cfg.text.parallelism == "tensor":
-                full = gather_full_state_dict(states, trainer.model_config)
-            else:  # replicated across the replica's ranks
-                full = states[0]
-            for name, t in full.items():
+        for r in range(1 if pool.zero3 else pool.dp):  # zero3: the pool holds one copy, spread over all ranks
+            for name, t in ray.get(pool.full_state(r, grads)).items():
                 name = module.hf_name(name)
                 assert name not in out or torch.equal(out[name], t), f"replicas disagree on {name}"
                 out[name] = t
@@ -91,8 +85,14 @@ def _microbatch(chosen: list[dict], cfg) -> MicroBatch:
         # sp2 x dp2 and tp2 x dp2
         (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2",
           "text.parallelism=tensor", "text.num_actors=4", "text.degree=2"], [[[0], [2]], [[1]]]),
+        # ZeRO-3 on both pools (2 actors each = 2 replicas): replica 1 has one micro-batch fewer (padded),
+        # and the text-only micro-batch makes vision rank 0 encode a placeholder to join the all-gathers
+        (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"],
+         [[[0], [2]], [[1]]]),
+        # the uniform tensor-parallel baseline: vision TP 2 and text TP 2
+        (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2, [[[0], [1, 2]]]),
     ],
-    ids=["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2"],
+    ids=["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2"],
 )
 def test_steps_match_transformers(setup, ray_session, tmp_path, layout, replicas):
     ref, ckpt, samples = setup
@@ -140,7 +140,7 @@ def test_steps_match_transformers(setup, ray_session, tmp_path, layout, replicas
         for step in range(STEPS):
             loss = trainer.accumulate(batches)
             ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())  # what optimizer_step does first
-            grads = collect(trainer, cfg, grads=True)
+            grads = collect(trainer, grads=True)
 
             ref_loss = ref(**ref_inputs).loss
             ref_loss.backward()
@@ -160,7 +160,7 @@ def test_steps_match_transformers(setup, ray_session, tmp_path, layout, replicas
             optimizer.zero_grad(set_to_none=True)
         assert grad_norm > cfg.training.max_grad_norm or step == 0  # clipping was exercised at least once
 
-        params = collect(trainer, cfg)
+        params = collect(trainer)
         for name, p in ref.named_parameters():
             # Absolute: Adam turns fp-rounding noise in near-zero gradients into updates of up to ~1e-2 x lr.
             diff = (params[name] - p.detach()).abs().max().item()
@@ -176,3 +176,67 @@ def test_steps_match_transformers(setup, ray_session, tmp_path, layout, replicas
         assert loaded.lm_head.weight.shape[0] == trainer.model_config.text_config.vocab_size
     finally:
         trainer.shutdown()
+
+
+def test_pipelined_order_trains_like_serial(setup, ray_session):
+    """max_in_flight 1 (serial), 2 and 4 on sp2 / tp2 with three accumulated micro-batches: same parameters."""
+    _, ckpt, samples = setup
+    results = {}
+    for k in (1, 2, 4):
+        cfg = load_config("tiny", SP2 + TP2 + [
+            f"model.path={ckpt}", "data.microbatch_tokens=1024", f"training.steps={STEPS}",
+            "training.warmup_steps=1", f"pipeline.max_in_flight={k}",
+            "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
+        ])
+        batches = [GlobalBatch([_microbatch([s], cfg) for s in samples], epoch=0)]
+        trainer = Trainer(cfg)
+        try:
+            losses = []
+            for _ in range(STEPS):
+                losses.append(trainer.train_step(batches)["loss"])
+            results[k] = (losses, collect(trainer))
+        finally:
+            trainer.shutdown()
+    serial_losses, serial = results[1]
+    for k in (2, 4):
+        losses, params = results[k]
+        assert losses == serial_losses, (k, losses, serial_losses)
+        worst = max((params[n] - p).abs().max().item() for n, p in serial.items())
+        assert worst <= 1e-6, f"max_in_flight={k}: parameters differ by {worst:.2e}"
+    assert any((serial[n] != setup[0].state_dict()[n]).any() for n in serial if n in setup[0].state_dict())
+
+
+@pytest.mark.parametrize("layout", [SP2 + TP2], ids=["sp2-tp2"])
+def test_export_hf_matches_dhp_model(setup, ray_session, tmp_path, layout):
+    """Per-rank dhp checkpoint -> `dhp export-hf` -> transformers: same tensors, same loss on a test batch."""
+    from dhp.models.qwen2_5_vl import count_label_tokens
+    from dhp.stages.cli import main
+
+    _, ckpt, samples = setup
+    cfg = load_config("tiny", layout + [f"model.path={ckpt}", "training.steps=2", "training.warmup_steps=0"])
+    trainer = Trainer(cfg)
+    try:
+        batches = [GlobalBatch([_microbatch(samples[:2], cfg)], epoch=0)]
+        trainer.train_step(batches)  # move the weights away from the checkpoint they were loaded from
+        trainer.save_checkpoint(tmp_path / "dhp_ckpt")
+        mb = batches[0].microbatches[0]
+        dhp_loss = ray.get(trainer.text.forward_eval(0, mb.text, trainer.vision.forward_eval(0, mb.vision)))
+        params = collect(trainer)
+    finally:
+        trainer.shutdown()
+    rank_files = sorted(p.name for p in (tmp_path / "dhp_ckpt").glob("*-rank*.safetensors"))
+    assert rank_files == [f"{s}-rank{r:05d}.safetensors" for s in ("text", "vision") for r in range(2)]
+
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "dhp_ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf").float().eval()
+    for name, p in hf.named_parameters():
+        assert torch.equal(p.detach(), params[name]), name
+    v, t = vision_inputs(samples[:2]), text_inputs(samples[:2], pad_id=151643)
+    with torch.no_grad():
+        out = hf(input_ids=t["input_ids"], attention_mask=t["attention_mask"], labels=t["labels"],
+                 pixel_values=v["pixel_values"], image_grid_thw=v["image_grid_thw"],
+                 mm_token_type_ids=(t["input_ids"] == 151655).int())
+    hf_loss = out.loss.item()
+    mean = dhp_loss / count_label_tokens(t["labels"])
+    assert abs(mean - hf_loss) / hf_loss <= 1e-6, (mean, hf_loss)
+    assert main(["export-hf", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")]) == 2  # not a checkpoint

@@ -1,0 +1,317 @@
+"""Pipelined vs serial micro-batch order: step time against each pool's own work (`dhp bench pipeline`).
+
+One vision actor and one text actor, `disjoint` placement, one Ray CPU and one torch thread each: on a
+2-core machine each pool then owns a core, and one actor per pool is the cleanest overlap measurement
+(no collectives, no replicas). Three scenarios set the per-micro-batch costs through the model shape:
+`balanced` (Tv ~ Tt), `vision_heavy` (Tv ~ 3 Tt) and `text_heavy` (Tt ~ 3 Tv).
+
+Per scenario, one Trainer runs the same global batch (M one-sample micro-batches, really preprocessed
+from the synthetic set) first in the serial order (pipeline.max_in_flight=1), then pipelined (=2).
+  vision_s / text_s   each pool alone: the summed durations of its traced calls (forward, backward,
+                      forward_backward, optimizer_step) in a serial step. In the serial order only one
+                      pool computes at a time, so this is the pool's own, uncontended work.
+  *_step_s            median train_step time (accumulate + grad norm + optimizer) after warm-up.
+  ratio_to_max        pipelined_step_s / max(vision_s, text_s); fill and drain cost about 1/M of it.
+  predicted_step_s    schedule.simulate with the serial step's per-call costs, plus its tail (the time
+                      after the last forward/backward: grad norm, optimizer steps, round trips).
+  driver_overhead_ms  median time the driver spends submitting, per micro-batch.
+Goals (flags in the JSON, never asserted): ratio_to_max <= 1.15, speedup >= 1.3 when balanced,
+driver_overhead_ms <= 2. Chrome traces of one serial and one pipelined step per scenario, and a text
+timeline of them (matplotlib is not installed here, so no PNG), are written next to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GOAL_RATIO, GOAL_SPEEDUP, GOAL_OVERHEAD_MS = 1.15, 1.3, 2.0
+MODES = (("serial", 1), ("pipelined", 2))  # (name, pipeline.max_in_flight)
+PAD_ID = 151643  # <|endoftext|>, as the loader pads
+# M=12 makes fill + drain ~1/M of a step; the unit puts a light pool at ~30 ms per micro-batch, far above
+# the ~1 ms a Ray call costs. Quick (the test): 3 micro-batches, small models, depth capped, < 60 s.
+FULL = dict(microbatches=12, steps=5, warmup=2, unit_s=0.03, cap=48, vision_hidden=128, vision_inter=512,
+            text_inter=1024)
+QUICK = dict(microbatches=3, steps=2, warmup=1, unit_s=0.005, cap=4, vision_hidden=64, vision_inter=128,
+             text_inter=176)
+
+
+def model_config(preset: dict, depth: int, layers: int):
+    """`tiny` with the vision depth/width and text layers/MLP width set. Tied word embeddings: the
+    optimizer step over the 152 k-row embedding and lm_head is per-step work no order can hide."""
+    from transformers import Qwen2_5_VLConfig
+
+    from dhp.models.architectures import ARCHITECTURES, architecture_config
+
+    tiny, base = ARCHITECTURES["tiny"], architecture_config("tiny")
+    vision = dict(tiny["vision"], depth=depth, hidden_size=preset["vision_hidden"],
+                  intermediate_size=preset["vision_inter"], fullatt_block_indexes=list(range(1, depth, 2)),
+                  out_hidden_size=tiny["text"]["hidden_size"])
+    text = dict(tiny["text"], num_hidden_layers=layers, intermediate_size=preset["text_inter"],
+                tie_word_embeddings=True)
+    ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, tie_word_embeddings=True,
+                              **{k: getattr(base, k) for k in ids})
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def load_samples(n: int, root: Path) -> list[dict]:
+    """n preprocessed samples: one 224x224 image, one round each, so every micro-batch costs the same."""
+    from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+    from dhp.dataflow.synth import write_synthetic_dataset
+    from dhp.models.architectures import architecture_config
+
+    s = write_synthetic_dataset(root / "synth", n, eval_num=0, min_size=224, max_size=224,
+                                multi_image_fraction=0.0, multi_turn_fraction=0.0)
+    pre = Preprocessor(PreprocessSettings(str(s.out_dir), 56 * 56, 224 * 224, 1024), architecture_config("tiny"))
+    lines = s.train_path.read_text().splitlines()
+    return [decode_sample(pre({"source": "bench", "record": line})["sample"]) for line in lines]
+
+
+def global_batch(samples: list[dict]):
+    """One GlobalBatch, one sample per micro-batch, put in the object store once (as tests/test_parity.py)."""
+    import ray
+
+    from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
+    from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
+
+    mbs = []
+    for s in samples:
+        vision, text = vision_inputs([s]), text_inputs([s], pad_id=PAD_ID)
+        parts = split_for_ranks(vision, text, 0, None)  # no sequence parallelism: one part
+        mbs.append(MicroBatch([ray.put(p) for p in parts], ray.put(text), meta_of(vision, text)))
+    return GlobalBatch(mbs, epoch=0)
+
+
+def _fwd_bwd_seconds(stage: str, preset: dict, n: int, v: dict, t: dict, reps: int) -> float:
+    """Median seconds of one forward + backward of the stage at depth (layers) n, after one warm-up call."""
+    from dhp.models.qwen2_5_vl import TextModel, VisionModel
+
+    torch.manual_seed(0)
+    mc = model_config(preset, n, 1) if stage == "vision" else model_config(preset, 1, n)
+    model = VisionModel(mc) if stage == "vision" else TextModel(mc)
+    rows = int((t["input_ids"] == mc.image_token_id).sum())
+    embeds = torch.randn(rows, mc.text_config.hidden_size, requires_grad=True)
+    times = []
+    for _ in range(reps + 1):  # the first call pays allocator and first-dispatch costs: dropped
+        start = time.perf_counter()
+        if stage == "vision":
+            model(v["pixel_values"], v["image_grid_thw"]).sum().backward()
+        else:
+            model(t["input_ids"], embeds, t["position_ids"], t["attention_mask"], t["labels"]).backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def calibrate(sample: dict, preset: dict, reps: int, lo: int = 1, hi: int = 5) -> dict[str, tuple[float, float]]:
+    """Per-micro-batch fwd+bwd seconds = a + b * depth for each stage, from two depths timed in-process.
+
+    Two points, because neither cost goes through zero: the text stage's 152 k-vocabulary embedding
+    gradient and lm_head, the vision patch embedding and merger are paid at any depth. One thread, as
+    the actors run."""
+    from dhp.dataflow.packing import text_inputs, vision_inputs
+
+    v, t = vision_inputs([sample]), text_inputs([sample], pad_id=PAD_ID)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    fits = {}
+    try:
+        for stage in ("vision", "text"):
+            t_lo, t_hi = (_fwd_bwd_seconds(stage, preset, n, v, t, reps) for n in (lo, hi))
+            slope = max((t_hi - t_lo) / (hi - lo), 1e-4)  # noise must not make depth free
+            fits[stage] = (max(t_lo - slope * lo, 0.0), slope)
+    finally:
+        torch.set_num_threads(threads)
+    return fits
+
+
+def depth_for(target: float, fit: tuple[float, float], cap: int) -> int:
+    return int(min(cap, max(1, round((target - fit[0]) / fit[1]))))
+
+
+def plan(fits: dict, unit: float, cap: int) -> dict[str, tuple[int, int, float]]:
+    """scenario -> (vision depth, text layers, intended Tv/Tt). The light unit stays above half the text
+    stage's floor (fit intercept), so that a 3x heavier text stage is reachable by adding layers."""
+    cost = {s: (lambda n, f=fits[s]: f[0] + f[1] * n) for s in fits}
+    unit = max(unit, cost["text"](1) / 2)
+    layers = depth_for(2 * unit, fits["text"], cap)
+    balanced = (depth_for(cost["text"](layers), fits["vision"], cap), layers, 1.0)
+    layers = depth_for(unit, fits["text"], cap)
+    vision_heavy = (depth_for(3 * cost["text"](layers), fits["vision"], cap), layers, 3.0)
+    depth = depth_for(unit, fits["vision"], cap)
+    text_heavy = (depth, depth_for(3 * cost["vision"](depth), fits["text"], cap), 1 / 3)
+    return {"balanced": balanced, "vision_heavy": vision_heavy, "text_heavy": text_heavy}
+
+
+STEP_CALLS = (("vision", "forward"), ("vision", "backward"), ("text", "forward_backward"),
+              ("vision", "optimizer_step"), ("text", "optimizer_step"))
+
+
+def step_numbers(metrics: dict, events: list[dict], wall: tuple[float, float]) -> dict:
+    """One step's numbers from train_step's metrics and its rank-0 trace events."""
+    events = [e for e in events if e["rank"] == 0]  # one actor per pool here
+    out = {f"{s}_s": sum(e["end"] - e["start"] for e in events if e["stage"] == s) for s in ("vision", "text")}
+    for stage, name in STEP_CALLS:  # mean seconds per call
+        ds = [e["end"] - e["start"] for e in events if e["stage"] == stage and e["name"] == name]
+        out[f"{stage}_{name}"] = sum(ds) / max(1, len(ds))
+    # After the last forward/backward: grad norm (not traced), both optimizer steps, the round trips.
+    out["tail_s"] = wall[1] - max(e["end"] for e in events if e["name"] != "optimizer_step")
+    keys = ("step_time_s", "loss", "driver_ms_per_microbatch", "vision_busy", "text_busy", "bubble")
+    return out | {k: metrics[k] for k in keys}
+
+
+def run_mode(trainer, batch, k: int, warmup: int, steps: int) -> tuple[dict, list[dict], tuple[float, float]]:
+    """Median numbers of `steps` steps after `warmup`, plus the last step's events (for the trace)."""
+    trainer.cfg.pipeline.max_in_flight = k  # read at every accumulate
+    rows = []
+    for i in range(warmup + steps):
+        trainer.events = []  # filled by train_step's drain (pipeline.trace=True): this step's calls only
+        start = time.time()
+        metrics = trainer.train_step([batch])
+        wall = (start, time.time())
+        if i >= warmup:
+            rows.append(step_numbers(metrics, trainer.events, wall))
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}, trainer.events, wall
+
+
+def timeline(events: list[dict], wall: tuple[float, float], width: int = 100) -> list[str]:
+    """Two text rows (vision, text): F/B forward/backward, T text forward_backward, o optimizer, . idle."""
+    marks, span = {"forward": "F", "backward": "B", "forward_backward": "T", "optimizer_step": "o"}, wall[1] - wall[0]
+    lines = []
+    for stage in ("vision", "text"):
+        row = ["."] * width
+        for e in (e for e in events if e["stage"] == stage and e["rank"] == 0):
+            lo, hi = (int((t - wall[0]) / max(span, 1e-9) * width) for t in (e["start"], e["end"]))
+            for j in range(max(0, lo), min(width, max(hi, lo + 1))):
+                row[j] = marks.get(e["name"], "?")
+        lines.append(f"{stage:6s} |{''.join(row)}|")
+    return lines
+
+
+def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | None) -> tuple[dict, list[str]]:
+    from dhp.stages.config import load_config
+    from dhp.stages.schedule import pipeline_schedule, simulate
+    from dhp.stages.trace import write_chrome_trace
+    from dhp.stages.trainer import Trainer
+
+    (depth, layers, intended), m = plan_row, len(batch.microbatches)
+    pools = [f"{s}.{kv}" for s in ("vision", "text") for kv in
+             ("parallelism=none", "num_actors=1", "degree=1", "num_cpus_per_actor=1", "torch_threads=1")]
+    cfg = load_config("tiny", [*pools, "pipeline.placement=disjoint", "pipeline.trace=true",
+                               f"training.global_batch_size={m}", "training.steps=100000", "training.warmup_steps=0",
+                               "training.lr=1e-6"])  # the model barely moves: every step costs the same
+    trainer = Trainer(cfg, model_config=model_config(preset, depth, layers))
+    res, texts = {}, [f"{name}: vision depth {depth}, text layers {layers}"]
+    try:
+        for mode, k in MODES:
+            res[mode], events, wall = run_mode(trainer, batch, k, preset["warmup"], preset["steps"])
+            texts += [f" {mode} (max_in_flight={k}), {wall[1] - wall[0]:.3f} s:", *timeline(events, wall)]
+            if out is not None:
+                write_chrome_trace(events, out.with_name(f"{out.stem}.{name}.{mode}.trace.json"))
+    finally:
+        trainer.shutdown()
+    s, p = res["serial"], res["pipelined"]
+    tv, tt = s["vision_forward"] + s["vision_backward"], s["text_forward_backward"]
+    bound = max(s["vision_s"], s["text_s"])  # each pool alone: its work in the serial order
+
+    def predicted(k: int) -> float:  # the order's best case with serial-mode call costs, plus the serial tail
+        return simulate(pipeline_schedule(m, k), s["vision_forward"], tt, s["vision_backward"]).makespan + s["tail_s"]
+
+    row = dict(
+        scenario=name, microbatches=m, vision_depth=depth, text_layers=layers, intended_tv_over_tt=intended,
+        tv_over_tt=tv / tt, vision_ms_per_mb=tv * 1e3, text_ms_per_mb=tt * 1e3, vision_s=s["vision_s"],
+        text_s=s["text_s"], serial_step_s=s["step_time_s"], pipelined_step_s=p["step_time_s"],
+        predicted_step_s=predicted(2), predicted_serial_step_s=predicted(1), ratio_to_max=p["step_time_s"] / bound,
+        serial_ratio=s["step_time_s"] / bound, speedup=s["step_time_s"] / p["step_time_s"],
+        driver_overhead_ms=p["driver_ms_per_microbatch"], driver_overhead_ms_serial=s["driver_ms_per_microbatch"],
+        # the pools' work while pipelined: above vision_s / text_s when the two busy cores slow each other
+        pipelined_vision_s=p["vision_s"], pipelined_text_s=p["text_s"], serial_tail_s=s["tail_s"],
+        pipelined_tail_s=p["tail_s"], serial_loss=s["loss"], pipelined_loss=p["loss"],
+        **{f"{mode}_{k}": res[mode][k] for mode, _ in MODES for k in ("vision_busy", "text_busy", "bubble")},
+    )
+    row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+    row["goal"] = dict(ratio_to_max=row["ratio_to_max"] <= GOAL_RATIO,
+                       speedup=row["speedup"] >= GOAL_SPEEDUP if name == "balanced" else None,
+                       driver_overhead=row["driver_overhead_ms"] <= GOAL_OVERHEAD_MS)
+    return row, texts
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'scenario':13}{'Tv/Tt':>6}{'vision_s':>9}{'text_s':>8}{'serial':>8}{'pipe':>8}{'pred':>8}"
+        f"{'pipe/max':>9}{'ser/max':>8}{'speedup':>8}{'drv ms':>7}  goals"
+    )
+    lines = [head]
+    for r in rows:
+        goals = " ".join(f"{k}={'-' if v is None else 'ok' if v else 'MISS'}" for k, v in r["goal"].items())
+        lines.append(
+            f"{r['scenario']:13}{r['tv_over_tt']:6.2f}{r['vision_s']:9.3f}{r['text_s']:8.3f}"
+            f"{r['serial_step_s']:8.3f}{r['pipelined_step_s']:8.3f}{r['predicted_step_s']:8.3f}"
+            f"{r['ratio_to_max']:9.3f}{r['serial_ratio']:8.3f}{r['speedup']:8.3f}"
+            f"{r['driver_overhead_ms']:7.2f}  {goals}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dhp bench pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None, help="write the rows here (traces and timelines beside it)")
+    p.add_argument("--quick", action="store_true", help="3 micro-batches, 2 steps, small models (< 60 s)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5, quick 2)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12, quick 3)")
+    return p.parse_args(argv)
+
+
+def main(args=None) -> int:
+    if args is None or isinstance(args, list):
+        args = parse_args(args)
+    preset = dict(QUICK if args.quick else FULL)
+    for key in ("microbatches", "steps"):
+        preset[key] = preset[key] if getattr(args, key) is None else getattr(args, key)
+    if preset["microbatches"] < 1 or preset["steps"] < 1:
+        from dhp.stages.config import ConfigError
+
+        raise ConfigError(f"--microbatches and --steps must be >= 1 (got {args.microbatches}, {args.steps})")
+    out = Path(args.json) if args.json else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)  # the traces are written there as the scenarios finish
+    import ray
+
+    own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session fixture) is reused, left running
+    rows, texts = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        samples = load_samples(preset["microbatches"], Path(tmp))
+        fits = calibrate(samples[0], preset, reps=1 if args.quick else 3)
+        print("calibration, seconds per micro-batch = a + b * depth: "
+              + ", ".join(f"{s} a={a * 1e3:.1f} ms b={b * 1e3:.2f} ms" for s, (a, b) in fits.items()), flush=True)
+        if own_ray:
+            # 3 logical CPUs on 2 cores: the trainer's resource check also reserves CPU for data loaders,
+            # which are not started here (the batch is built in this process); the pools take 1 CPU each.
+            ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+        try:
+            batch = global_batch(samples)
+            for name, plan_row in plan(fits, preset["unit_s"], preset["cap"]).items():
+                row, text = run_scenario(name, plan_row, preset, batch, out)
+                rows.append(row)
+                texts += text
+        finally:
+            if own_ray:
+                ray.shutdown()
+    print(table(rows))
+    if out is not None:
+        out.write_text(json.dumps(rows, indent=1))
+        out.with_name(f"{out.stem}.timelines.txt").write_text("\n".join(texts) + "\n")
+        print(f"rows: {out}; Chrome traces and text timelines beside it ({out.stem}.*)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
