@@ -2,70 +2,75 @@
 
 What is reported, per rank, for one micro-batch of P patches (one image) on a layout of degree N:
   comm_bytes_per_rank       bytes moved by ACTIVATION collectives, forward + backward.
-  grad_sync_bytes_per_rank  bytes moved by gradient/parameter synchronisation per optimizer step.
+  grad_sync_bytes_per_rank  bytes moved by gradient/parameter synchronisation per optimizer step (zero3: per
+                            micro-batch, as FSDP2 gathers and reduce-scatters in every forward/backward;
+                            `grad_sync_unit` says which).
   activation_bytes_per_rank bytes autograd keeps for backward (parameters excluded).
 and, per layout and degree, the longest sequence whose activations fit `--budget-gib` per rank.
 
 Byte convention ("bytes sent per rank", ring algorithms): all-to-all = the rows a rank sends to the
-OTHER ranks; all-gather of chunk c = (N-1) * c; all-reduce of x = 2 * (N-1)/N * x; broadcast = the bytes
-a rank receives (0 on the source), so ZeRO-1's parameter broadcast averages (N-1)/N * params per rank.
+OTHER ranks; all-gather of chunk c = (N-1) * c; reduce-scatter to chunk c = (N-1) * c; all-reduce of x =
+2 * (N-1)/N * x; broadcast = the bytes a rank receives (0 on the source), so ZeRO-1's parameter broadcast
+averages (N-1)/N * params per rank. Activations and their collectives are in `--dtype-bytes` (2: bf16
+autocast); gradient/parameter sync is always fp32 (GRAD_BYTES): dhp keeps fp32 master parameters, so its
+gradients, ZeRO-1 broadcasts and FSDP2 gathers (no mixed-precision policy) are fp32.
 
 Layouts:
   sequence  window-aware Ulysses SP (`models/sequence_parallel.py`): all-to-all #1 (q/k/v, 3*S_r*D) and
             #2 (S_r*D) in each full-attention block, forward and backward, then the all-gather of the
             merged shards (its backward has no collective). Optimizer: ZeRO-1 as torch's
             ZeroRedundancyOptimizer does it = all-reduce of every ViT gradient + broadcast of each
-            rank's parameter share.
-  tensor    Megatron TP of every block (qkv/gate/up column-, proj/down row-parallel; merger mlp col/row):
-            2 all-reduces of [P, D] per block forward, 2 backward; merger: [P/4, O] fwd, [P/4, 4D] bwd.
-            dhp has no TP ViT: FORMULA ONLY. Activations: the norms (input, x*rsqrt, output), cos/sin,
-            pixels, the merger's ln_q stay full; q/k/v, attention, MLP intermediates are / N. Grad sync:
-            all-reduce of the replicated parameters (norm weights, row-parallel biases, patch embed, ln_q)
-            -- the convention asked for; strictly Megatron without SP leaves them identical on all ranks.
-  zero3     data parallel, params sharded: all-gather params in forward and again in backward, reduce-
-            scatter of gradients = 3 * (N-1)/N * params; activations of the full sequence on every rank.
+            rank's parameter share = 3 * (N-1)/N * params.
+  tensor    dhp's Megatron TP ViT (`models/vision_tensor_parallel.py`): all-reduces forward 2 per block of
+            [P, D] + 1 of [P/4, O] (merger), backward 1 of [P/4, 4D] + 2 per block of [P, D]; the row-
+            parallel biases are added after the reduce, replicated. Activations: the norms (x, rsqrt,
+            x*rsqrt, output), cos/sin, pixels, the merger's ln_q stay full; q_rot, k_rot, the qkv output (v is
+            a view of it, so all of its [P, 3D/N] stays), log-sum-exp, attention out, proj input, the 4 MLP
+            tensors and the merger MLP are / N. Grad sync, by convention: an all-reduce of the replicated
+            parameters (norms, row-parallel biases, patch embed, ln_q) = 2 * (N-1)/N * those. dhp itself
+            skips it (their gradients are bit-identical on every TP rank; it syncs over data-parallel
+            replicas only). Degree N must divide heads (16), MLP (3420) and 4D (`check_vision_tp_degree`):
+            the real shape splits 1, 2 or 4 ways, NOT 8 (3420 % 8 = 4): those rows carry `feasible: false`,
+            a `note`, the formula as if I split evenly, and no longest-fitting sequence.
+  zero3     data parallel with FSDP2 (`models/zero3.py`): every block, the merger and the root reshard after
+            forward, so each unit's parameters are all-gathered in forward and again in backward and its
+            gradients reduce-scattered: 3 * (N-1)/N * params, each parameter padded to a multiple of N rows
+            (FSDP2's dim-0 shards). No activation collective; each rank keeps the full-sequence
+            activations of its own micro-batch.
   none      one rank, no collective; the full-sequence activations.
 
 How: FORMULA rows for the real Qwen2.5-VL ViT (32 blocks, full attention in 7/15/23/31, D 1280, 16 heads,
-I 3420, out 3584 = the 7B merger) at 1k-64k patches, degrees 2/4/8, in `--dtype-bytes` (2: bf16, norm
-internals approximated at 2 bytes too). MEASURED rows from a real run of a CPU-sized encoder with the same
-block structure (MEASURED_VISION: 16 heads, D 256, I 684 = the real I/D ratio, depth 8 with full attention
-in block 7 = the real 1-in-8 ratio), fp32: `none` in this process, `sequence` on gloo groups of 2 and 4
-spawned ranks through `sp_vision_forward` + `gather_merged` + ZeroRedundancyOptimizer.step. Collectives are
-counted by wrapping `sequence_parallel.all_to_all_single_autograd` (forward: bytes sent; backward: a hook on
-its output counts the gradient the adjoint all-to-all sends) and `dist.all_gather/all_reduce/broadcast`;
-saved tensors by `torch.autograd.graph.saved_tensors_hooks`, deduplicated by storage pointer. Measured
-figures are the mean over ranks (shards are ragged). The formula is then evaluated for the measured shape
-and must be within +-15% of every count, else the script exits 1.
+I 3420, out 3584 = the 7B merger) at 1k-64k patches, degrees 2/4/8 (norm internals approximated at
+`--dtype-bytes` too). MEASURED rows from a real run of a CPU-sized encoder with the same block structure
+(MEASURED_VISION: 16 heads, D 256, I 684 = the real I/D ratio, depth 8 with full attention in block 7 = the
+real 1-in-8 ratio, out 512), fp32: `none` in this process; `sequence`, `tensor` and `zero3` on gloo groups
+of 2 and 4 spawned ranks (`layout_counts.py`: collectives counted at the torch.distributed function level,
+saved tensors by saved_tensors_hooks). Degree 8 is not measured: 8 ranks on this 2-core machine, and 684 % 8
+= 4 rules out tensor there too. The formula is then evaluated for the measured shape and must be within
++-15% of every count, else the script exits 1. `--plot` (default: the --json path with .png) draws comm and
+activations of the real shape and the formula/measured ratios.
 Usage: dhp bench layouts [--json PATH] [--quick] [--budget-gib 40]   (or python -m dhp.scripts.bench_layouts)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import socket
 import sys
-import tempfile
-from datetime import timedelta
+import types
 from typing import NamedTuple
 
 import torch
 
-REAL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)
-REAL_VISION["fullatt_block_indexes"] = [7, 15, 23, 31]
-MEASURED_VISION = dict(REAL_VISION, depth=8, hidden_size=256, intermediate_size=684, out_hidden_size=512)
-MEASURED_VISION["fullatt_block_indexes"] = [7]
-_COMMON = dict(
-    window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, hidden_act="silu"
-)
-PIXELS = 1176  # values per patch (3 x 2 x 14 x 14)
+from dhp.scripts.layout_counts import MEASURED_VISION, PIXELS, REAL_VISION, VISION_COMMON, measure, measure_none
+
+__all__ = ["MEASURED_VISION", "REAL_VISION", "VISION_COMMON", "PIXELS"]
 FORMULA_SEQ = [1024, 4096, 16384, 65536]
 DEGREES = [2, 4, 8]
 TOL = 0.15
+GRAD_BYTES = 4  # fp32 master parameters: gradients, ZeRO-1 broadcasts, FSDP2 gathers / reduce-scatters
 KEYS = ("comm_bytes_per_rank", "grad_sync_bytes_per_rank", "activation_bytes_per_rank")
 
 
@@ -75,34 +80,58 @@ class Shape(NamedTuple("Shape", [(f, int) for f in ("depth", "full", "d", "h", "
         dims = (v[k] for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
         return cls(v["depth"], len(v["fullatt_block_indexes"]), *dims)
 
-    def params(self) -> int:
-        d, i = self.d, self.i
-        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (d * i + i) + (i * d + d)
-        return PIXELS * d + self.depth * block + d + (4 * d) * (4 * d) + 4 * d + 4 * d * self.o + self.o
+    def param_rows(self) -> list[tuple[int, int]]:
+        """(dim-0 rows, elements per row) of every ViT parameter: patch embed, blocks, merger."""
+        d, i, o = self.d, self.i, self.o
+        norms, attn = [(d, 1), (d, 1)], [(3 * d, d), (3 * d, 1), (d, d), (d, 1)]
+        mlp = [(i, d), (i, 1), (i, d), (i, 1), (d, i), (d, 1)]
+        merger = [(d, 1), (4 * d, 4 * d), (4 * d, 1), (o, 4 * d), (o, 1)]
+        return [(d, PIXELS), *(norms + attn + mlp) * self.depth, *merger]
+
+    def params(self, pad_to: int = 1) -> int:
+        """Parameter count; with pad_to=N, each padded to a multiple of N rows, as FSDP2 shards them."""
+        return sum(-(-rows // pad_to) * pad_to * per_row for rows, per_row in self.param_rows())
 
     def replicated_params(self) -> int:  # tensor layout: norms, row-parallel biases, patch embed, ln_q, merger bias
         return PIXELS * self.d + self.depth * 4 * self.d + self.d + self.o
 
 
+def infeasible(vision: dict, layout: str, n: int) -> str | None:
+    """Why `layout` cannot run at degree n on `vision` (dhp's own checks), or None."""
+    from dhp.models.sequence_parallel import check_sp_degree
+    from dhp.models.vision_tensor_parallel import check_vision_tp_degree
+
+    try:
+        if layout == "tensor":
+            check_vision_tp_degree(n, types.SimpleNamespace(**vision, **VISION_COMMON))
+        elif layout == "sequence":
+            check_sp_degree(vision["num_heads"], n)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def comm_formula(s: Shape, layout: str, n: int, p: int, b: int) -> float:
     if layout == "sequence":  # per full block: (3 + 1) * S_r * D * (N-1)/N, fwd and bwd; gather of S_r/4 rows
         return (s.full * 2 * 4 * (p / n) * s.d * (n - 1) / n + (n - 1) * (p / n / 4) * s.o) * b
-    if layout == "tensor":
-        ar = 2 * (n - 1) / n
-        return ar * (s.depth * 4 * p * s.d + p / 4 * s.o + p * s.d) * b
+    if layout == "tensor":  # all-reduces: fwd 2/block [P, D] + merger [P/4, O]; bwd merger [P/4, 4D] + 2/block [P, D]
+        forward, backward = 2 * s.depth * p * s.d + p / 4 * s.o, p / 4 * 4 * s.d + 2 * s.depth * p * s.d
+        return 2 * (n - 1) / n * (forward + backward) * b
     return 0.0
 
 
 def grad_sync_formula(s: Shape, layout: str, n: int, b: int) -> float:
-    if layout in ("sequence", "zero3"):  # ZeRO-1: 2(N-1)/N all-reduce + (N-1)/N broadcast; ZeRO-3: 2 AG + RS
+    if layout == "sequence":  # ZeRO-1: 2(N-1)/N all-reduce + (N-1)/N broadcast of every parameter
         return 3 * (n - 1) / n * s.params() * b
+    if layout == "zero3":  # per unit: all-gather fwd + all-gather bwd + reduce-scatter, of padded shards
+        return 3 * (n - 1) * s.params(pad_to=n) / n * b
     if layout == "tensor":
         return 2 * (n - 1) / n * s.replicated_params() * b
     return 0.0
 
 
 def activation_formula(s: Shape, layout: str, n: int, p: int, b: int) -> float:
-    """Saved-for-backward bytes per rank (elements counted from the transformers block, see the probe)."""
+    """Saved-for-backward bytes per rank (elements counted from the transformers block, see the docstring)."""
     hd, d = s.d // s.h, s.d
     norm = 3 * d + 1  # RMSNorm keeps x, rsqrt, x * rsqrt (and its output is saved by the next Linear)
     index = p / 4 * 8  # the int64 inverse window permutation, on every rank
@@ -112,7 +141,8 @@ def activation_formula(s: Shape, layout: str, n: int, p: int, b: int) -> float:
     if layout == "sequence":  # everything / N; a full block keeps the all-to-all output instead of q, k, qkv
         per_tok = PIXELS + 2 * hd + s.depth * (13 * d + 4 * s.i + s.h + 2) - s.full * 2 * d + 6 * d + 1
         return per_tok * p / n * b + index
-    # tensor: norms (x2 per block), cos/sin, pixels, ln_q full; q_rot, k_rot, qkv, lse, attn out, proj in, MLP / N
+    # tensor: 2 norms per block, cos/sin, pixels, ln_q (x, rsqrt, x*rsqrt, output [P/4, 4D]) full; / N: per block
+    # q_rot, k_rot, qkv output (3), attn out, proj in = 7D, lse H, MLP 4I; merger GELU in and out (2 * [P/4, 4D])
     full = PIXELS + 2 * hd + s.depth * 2 * norm + norm
     shard = s.depth * (7 * d + s.h + 4 * s.i) + 2 * d
     return (full + shard / n) * p * b + index
@@ -124,7 +154,9 @@ def max_seq(s: Shape, layout: str, n: int, budget: float, b: int) -> int:
 
 
 def _row(layout: str, degree: int, seq_len: int, comm: float, grad: float, act: float, **extra) -> dict:
-    return dict(layout=layout, degree=degree, seq_len=seq_len, **dict(zip(KEYS, (comm, grad, act))), **extra)
+    unit = "micro-batch" if layout == "zero3" else "step"  # FSDP2 syncs in every forward/backward
+    values = dict(zip(KEYS, (comm, grad, act)))
+    return dict(layout=layout, degree=degree, seq_len=seq_len, **values, grad_sync_unit=unit, **extra)
 
 
 def formula_rows(s: Shape, seqs, degrees, b: int, budget: float) -> list[dict]:
@@ -132,132 +164,12 @@ def formula_rows(s: Shape, seqs, degrees, b: int, budget: float) -> list[dict]:
     for p in seqs:
         for layout, degs in (("none", [1]), ("sequence", degrees), ("tensor", degrees), ("zero3", degrees)):
             for n in degs:
-                comm, grad = comm_formula(s, layout, n, p, b), grad_sync_formula(s, layout, n, b)
-                fit = max_seq(s, layout, n, budget, b)
-                extra = dict(source="formula", shape="real", dtype_bytes=b, max_seq_len_at_budget=fit)
+                why = infeasible(REAL_VISION, layout, n)
+                comm, grad = comm_formula(s, layout, n, p, b), grad_sync_formula(s, layout, n, GRAD_BYTES)
+                fit = None if why else max_seq(s, layout, n, budget, b)
+                extra = dict(source="formula", shape="real", dtype_bytes=b, grad_dtype_bytes=GRAD_BYTES)
+                extra.update(feasible=why is None, max_seq_len_at_budget=fit, **({"note": why} if why else {}))
                 rows.append(_row(layout, n, p, comm, grad, activation_formula(s, layout, n, p, b), **extra))
-    return rows
-
-
-# ----------------------------------------------------------------------------------------- measured
-def _grid(p: int) -> torch.Tensor:
-    h = 2 ** (int(math.log2(p)) // 2)
-    if p % h or (p // h) % 8 or h % 8:
-        raise ValueError(f"measured sequence lengths must be 64 * 4**k or 128 * 4**k patches, got {p}")
-    return torch.tensor([[1, h, p // h]])
-
-
-@contextlib.contextmanager
-def saved_bytes(model):
-    """Yields a dict whose "total" becomes the bytes of distinct storages autograd saved (parameters excluded)."""
-    params, seen, result = {q.untyped_storage().data_ptr() for q in model.parameters()}, {}, {}
-
-    def pack(t):
-        st = getattr(t, "elem", t).untyped_storage()  # the all-to-all's AsyncCollectiveTensor wraps a tensor
-        if st.data_ptr() not in params:
-            seen.setdefault(st.data_ptr(), st.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
-    result["total"] = sum(seen.values())
-
-
-def _model():
-    from transformers import Qwen2_5_VLConfig
-
-    from dhp.models.qwen2_5_vl import VisionModel
-
-    cfg = Qwen2_5_VLConfig(vision_config=dict(MEASURED_VISION, **_COMMON))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return cfg, VisionModel(cfg).float().train()
-
-
-def measure_none(p: int) -> dict:
-    _, model = _model()
-    pixels = torch.randn(p, PIXELS, generator=torch.Generator().manual_seed(p))
-    with saved_bytes(model) as saved:
-        out = model(pixels, _grid(p))
-    out.sum().backward()
-    return _row("none", 1, p, 0, 0, saved["total"])
-
-
-def _worker(rank: int, world: int, port: int, seqs: list[int], out_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from dhp.models import sequence_parallel as sp_mod
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    try:
-        cfg, model = _model()
-        opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.SGD, lr=1e-3)
-        acts, grads = [], []  # bytes of each activation / gradient-sync collective on this rank
-        real_a2a, real_ag = sp_mod.all_to_all_single_autograd, dist.all_gather
-        real_ar, real_bc = dist.all_reduce, dist.broadcast
-
-        def a2a(t, out_sizes, in_sizes, group):
-            row = math.prod(t.shape[1:]) * t.element_size()
-            acts.append((sum(in_sizes) - in_sizes[rank]) * row)
-            out = real_a2a(t, out_sizes, in_sizes, group)
-            if out.requires_grad:  # the adjoint all-to-all sends this gradient with the splits swapped
-                out.register_hook(lambda g: acts.append((sum(out_sizes) - out_sizes[rank]) * row))
-            return out
-
-        def all_gather(tensor_list, tensor, *a, **k):
-            acts.append((world - 1) * tensor.numel() * tensor.element_size())
-            return real_ag(tensor_list, tensor, *a, **k)
-
-        def all_reduce(tensor, *a, **k):
-            grads.append(2 * (world - 1) / world * tensor.numel() * tensor.element_size())
-            return real_ar(tensor, *a, **k)
-
-        def broadcast(tensor, src=None, *a, **k):
-            grads.append(0 if src == rank else tensor.numel() * tensor.element_size())
-            return real_bc(tensor, src, *a, **k)
-
-        sp_mod.all_to_all_single_autograd, dist.all_gather = a2a, all_gather
-        dist.all_reduce, dist.broadcast = all_reduce, broadcast
-        results = []
-        for p in seqs:
-            grid, group = _grid(p), dist.group.WORLD
-            plan = sp_mod.plan_shards(grid, world, cfg)
-            pixels = torch.randn(p, PIXELS, generator=torch.Generator().manual_seed(p))
-            model.zero_grad(set_to_none=True)
-            acts.clear(), grads.clear()
-            with saved_bytes(model) as saved:
-                shard = sp_mod.sp_vision_forward(model.visual, plan.shard(pixels, rank), grid, plan, rank, group)
-                out = sp_mod.gather_merged(shard, plan, rank, group)
-            out.sum().backward()
-            for q in model.parameters():  # ZeRO-1: the SP group's gradient sum, then each rank's share steps
-                dist.all_reduce(q.grad)
-            opt.step()
-            results.append(dict(seq_len=p, comm=sum(acts), grad=sum(grads), act=saved["total"]))
-        with open(os.path.join(out_dir, f"{world}_{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_sequence(world: int, seqs: list[int]) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, port, seqs, tmp), nprocs=world, start_method="spawn")
-        per_rank = [json.load(open(os.path.join(tmp, f"{world}_{r}.json"))) for r in range(world)]
-    rows = []
-    for j, p in enumerate(seqs):
-        vals = [per_rank[r][j] for r in range(world)]
-        mean = {k: sum(v[k] for v in vals) / world for k in ("comm", "grad", "act")}
-        peak = max(v["act"] for v in vals)
-        rows.append(_row("sequence", world, p, mean["comm"], mean["grad"], mean["act"], activation_bytes_max_rank=peak))
     return rows
 
 
@@ -265,7 +177,7 @@ def check(rows: list[dict]) -> list[str]:
     """Attach the formula (measured shape, fp32) to each measured row; return the disagreements."""
     s, bad = Shape.of(MEASURED_VISION), []
     for r in rows:
-        r.update(source="measured", shape="measured", dtype_bytes=4)
+        r.update(source="measured", shape="measured", dtype_bytes=4, grad_dtype_bytes=4, feasible=True)
         n, p, lay = r["degree"], r["seq_len"], r["layout"]
         formulas = comm_formula(s, lay, n, p, 4), grad_sync_formula(s, lay, n, 4), activation_formula(s, lay, n, p, 4)
         for key, f in zip(KEYS, formulas):
@@ -293,11 +205,10 @@ def expectations(rows: list[dict], degree: int = 4) -> list[str]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        f"{'source':8} {'layout':8} {'N':>2} {'seq':>6} {'comm MiB':>10}{'grad MiB':>10}{'act MiB':>10}  f/m ratios"
-    ]
+    head = f"{'source':8} {'layout':8} {'N':>2} {'seq':>6} {'comm MiB':>10}{'grad MiB':>10}{'act MiB':>10}  f/m ratios"
+    lines = [head]
     for r in rows:
-        ratio = ""
+        ratio = "" if r["feasible"] else "INFEASIBLE (formula as if it split evenly)"
         if r["source"] == "measured":
             ratio = " ".join(str(r[k]) for k in ("comm_ratio", "grad_sync_ratio", "activation_ratio"))
         lines.append(
@@ -308,12 +219,65 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: str, budget: float) -> None:
+    """Three panels: real-shape activation comm (sequence vs tensor, N = 2/4/8), real-shape activations at
+    degree 4 against the budget, and the formula/measured ratio of every measured row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real = [r for r in rows if r["source"] == "formula"]
+
+    def line(ax, layout, n, key, **style):
+        pts = sorted(
+            (r["seq_len"], r[key] / 2**30, r["feasible"]) for r in real if (r["layout"], r["degree"]) == (layout, n)
+        )
+        ok = pts[0][2]
+        label = f"{layout} N={n}" + ("" if ok else " (infeasible: 3420 % 8)")
+        style = {"ls": "-" if ok else ":", **style}
+        ax.plot([x for x, *_ in pts], [y for _, y, _ in pts], label=label, **style)
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 5))
+    for layout, color in (("sequence", "tab:blue"), ("tensor", "tab:red")):
+        for n, marker in zip(DEGREES, "os^"):
+            line(a, layout, n, "comm_bytes_per_rank", color=color, marker=marker)
+    a.set(title="activation-collective bytes per rank per micro-batch\n(real ViT shape, formula, fwd + bwd)")
+    for layout, n, color, ls in (
+        ("none", 1, "k", "-"),
+        ("sequence", 4, "tab:blue", "-"),
+        ("tensor", 4, "tab:red", "-"),
+        ("zero3", 4, "tab:green", "--"),
+    ):
+        line(b, layout, n, "activation_bytes_per_rank", color=color, ls=ls, marker="s")
+    b.axhline(budget / 2**30, color="gray", ls="--", label=f"budget {budget / 2**30:g} GiB")
+    b.set(title="activation bytes kept for backward per rank\n(real ViT shape, formula, degree 4)")
+    for ax in (a, b):
+        ax.set(xscale="log", yscale="log", xlabel="patches per micro-batch", ylabel="GiB per rank")
+        ax.set_xticks(FORMULA_SEQ, [f"{p // 1024}k" for p in FORMULA_SEQ])
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    measured = [r for r in rows if r["source"] == "measured"]
+    for k, (key, marker) in enumerate((("comm", "o"), ("grad_sync", "s"), ("activation", "^"))):
+        pts = [(j, r[f"{key}_ratio"]) for j, r in enumerate(measured) if r[f"{key}_bytes_per_rank"]]
+        c.plot([j + (k - 1) * 0.15 for j, _ in pts], [y for _, y in pts], marker, label=key, ls="none")
+    c.axhspan(1 - TOL, 1 + TOL, color="green", alpha=0.1, label=f"+-{TOL:.0%}")
+    labels = [f"{r['layout']} N={r['degree']} {r['seq_len'] // 1024}k" for r in measured]
+    c.set_xticks(range(len(measured)), labels, rotation=60, ha="right", fontsize=8)
+    c.set(ylim=(0.8, 1.2), ylabel="formula / measured", title="formula vs counted (CPU-sized ViT, fp32, gloo)")
+    c.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dhp bench layouts", description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--plot", default=None, help="write the PNG here (default: the --json path with .png)")
     p.add_argument("--quick", action="store_true", help="measure 1k patches at degree 2 only (< 60 s)")
     p.add_argument("--budget-gib", type=float, default=40.0, help="per-rank activation budget (default 40)")
-    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element of the real-shape rows (2: bf16)")
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per activation element, real shape (2: bf16)")
     return p.parse_args(argv)
 
 
@@ -325,15 +289,23 @@ def main(args=None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 intra-op threads on a shared 2-core machine made backward ~25x slower
     try:
-        measured = [measure_none(p) for p in seqs]
+        counted = [measure_none(p) for p in seqs]
     finally:
         torch.set_num_threads(threads)
     for w in worlds:
-        measured += measure_sequence(w, seqs)
+        counted += measure(w, seqs)
+    measured = [
+        _row(c["layout"], c["degree"], c["seq_len"], c["comm"], c["grad"], c["act"])
+        | ({"activation_bytes_max_rank": c["act_max"]} if "act_max" in c else {})
+        for c in counted
+    ]
     bad = check(measured)
-    real = Shape.of(REAL_VISION)
-    rows = measured + formula_rows(real, FORMULA_SEQ, DEGREES, b, budget)
-    fits = {f"{r['layout']}@{r['degree']}": r["max_seq_len_at_budget"] for r in rows if r["source"] == "formula"}
+    rows = measured + formula_rows(Shape.of(REAL_VISION), FORMULA_SEQ, DEGREES, b, budget)
+    fits = {
+        f"{r['layout']}@{r['degree']}": r["max_seq_len_at_budget"] or "infeasible"
+        for r in rows
+        if r["source"] == "formula"
+    }
     print(table(rows))
     print(f"\nlongest sequence (patches) fitting {budget / 2**30:g} GiB of activations per rank: {fits}")
     print("\n".join(expectations(rows)))
@@ -342,6 +314,10 @@ def main(args=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    png = getattr(args, "plot", None) or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if png:
+        plot(rows, png, budget)
+        print(f"plot: {png}")
     return 1 if bad else 0
 
 

@@ -1,7 +1,8 @@
 """The README's main command, `dhp train` on its embedded default, run as a user runs it.
 
 Only the output locations are redirected into a temporary directory; everything else is the default
-(tiny model, synthetic data written on first use, local Ray, one vision and one text actor, 100 steps).
+(tiny model, synthetic data written on first use, local Ray, vision sequence-parallel 2, text
+tensor-parallel 2, vision forwards pipelined ahead of the text stage, 100 steps).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 import yaml
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "grad_norm"}
+REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "grad_norm", "vision_busy", "text_busy",
+            "bubble", "driver_ms_per_microbatch"}
 
 
 def test_default_run_learns_and_writes_its_outputs(tmp_path):
@@ -31,6 +33,7 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
     for r in records:
         assert REQUIRED <= set(r) and all(math.isfinite(r[k]) for k in REQUIRED)
         assert r["tokens"] > 0 and r["step_time_s"] > 0
+        assert 0 < r["vision_busy"] <= 1 and 0 < r["text_busy"] <= 1 and 0 <= r["bubble"] < 1
     first = records[0]["loss"]
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last <= first / 2, f"train loss {first:.3f} -> {last:.3f}: did not fall by half"
@@ -44,6 +47,11 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
     assert summary["skipped"]["counts"] == {} and summary["skipped"]["good"] > 0
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["training"]["steps"] == 100 and saved["model"]["name"] == "tiny"
+    assert (saved["vision"]["parallelism"], saved["vision"]["degree"]) == ("sequence", 2)
+    assert (saved["text"]["parallelism"], saved["text"]["degree"]) == ("tensor", 2)
+    assert saved["pipeline"]["max_in_flight"] >= 2
+    # What is placed where is printed at start: two ranks per pool, sharing bundles.
+    assert "placement: shared" in proc.stdout and proc.stdout.count("vision rank") == 2
     assert (tmp_path / "synth" / "train.jsonl").exists() and (tmp_path / "synth" / "val.jsonl").exists()
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "checkpoint")
@@ -59,6 +67,7 @@ def test_hybrid_layout_runs_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "dhp.stages.cli", "train", *layout, "training.steps=4", "training.eval_every=0",
            f"output.dir={tmp_path}/runs", "output.name=hybrid", f"data.synthetic.dir={tmp_path}/synth",
            "data.synthetic.num=64", "data.synthetic.eval_num=8", "training.eval_batches=1",
+           "pipeline.placement=disjoint", "pipeline.trace=true",
            "ray.num_cpus=4"]  # logical CPUs: 8 stage actors + 3 loaders on this 2-core machine
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,3 +77,13 @@ def test_hybrid_layout_runs_from_the_command_line(tmp_path):
     assert math.isfinite(records[-1]["eval_loss"])
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "checkpoint")
     assert model.lm_head.weight.shape == (151936, 64)  # gathered from the two tensor-parallel shards
+    # The Chrome trace holds every stage call of both pools: 4 vision forwards and backwards and 4 text
+    # forward_backwards per micro-batch (2 replicas x 2 ranks), one optimizer step per actor per step.
+    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+    calls = [e for e in trace if e["ph"] == "X"]
+    names = {(e["cat"], e["name"]) for e in calls}
+    assert {("vision", "forward"), ("vision", "backward"), ("text", "forward_backward")} <= names
+    assert sum(e["name"] == "optimizer_step" for e in calls) == 4 * 8
+    mbs = sum(r["microbatches"] for r in records)
+    assert sum(e["name"] == "forward_backward" for e in calls) == 2 * mbs  # each text rank of the replica
+    assert "placement: disjoint" in proc.stdout

@@ -1,0 +1,224 @@
+"""Counted (not computed) bytes for `bench_layouts.py`: a real run of a CPU-sized vision encoder per layout.
+
+`measure_none(P)` runs the plain encoder in this process; `measure(world, seqs, layouts)` spawns `world`
+gloo ranks that each build a fresh encoder per (layout, P) and run one micro-batch forward + backward and
+the layout's gradient/parameter synchronisation:
+  sequence  `sp_vision_forward` + `gather_merged`, then ZeRO-1: all-reduce of every gradient over the group
+            and ZeroRedundancyOptimizer.step (the broadcast of each rank's parameter share).
+  tensor    `apply_vision_tensor_parallel` over the group, the model's own forward; then, by the benchmark's
+            convention, an all-reduce of the gradients of the replicated parameters (`_dhp_sharded` False).
+  zero3     `apply_zero3` over `stages/vision_worker.py`'s units (every block, the merger, then the root);
+            each rank encodes its own image (data parallel), FSDP2 gathers / reduce-scatters by itself.
+Collectives are counted at the torch.distributed function level, in bytes sent per rank (the convention of
+bench_layouts.py): `dist.all_reduce` / `all_gather` / `broadcast` go to the activation count while the
+micro-batch's forward + backward runs and to the sync count afterwards; `all_to_all_single_autograd` is
+always activation (its backward by a hook on its output); FSDP2's `dist.all_gather_single` /
+`reduce_scatter_single` (torch 2.13 calls these, also on gloo) are always parameter/gradient sync.
+Saved tensors: `saved_tensors_hooks`, deduplicated by storage, minus the storages of the parameters as
+they are at that moment (FSDP2's all-gathered ones included). Figures are means over the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import torch
+
+REAL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)
+REAL_VISION["fullatt_block_indexes"] = [7, 15, 23, 31]
+MEASURED_VISION = dict(REAL_VISION, depth=8, hidden_size=256, intermediate_size=684, out_hidden_size=512)
+MEASURED_VISION["fullatt_block_indexes"] = [7]
+VISION_COMMON = dict(
+    window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, hidden_act="silu"
+)
+PIXELS = 1176  # values per patch (3 x 2 x 14 x 14)
+LAYOUTS = ("sequence", "tensor", "zero3")
+
+
+def grid_of(p: int) -> torch.Tensor:
+    h = 2 ** (int(math.log2(p)) // 2)
+    if p % h or (p // h) % 8 or h % 8:
+        raise ValueError(f"measured sequence lengths must be 64 * 4**k or 128 * 4**k patches, got {p}")
+    return torch.tensor([[1, h, p // h]])
+
+
+@contextlib.contextmanager
+def saved_bytes(model):
+    """Yields a dict whose "total" becomes the bytes of distinct storages autograd saved (parameters excluded)."""
+    seen, result = {}, {}
+
+    def pack(t):
+        # Parameters as they are now: FSDP2 swaps a unit's all-gathered ones in while it runs (DTensors: shards).
+        params = {q.untyped_storage().data_ptr() for q in model.parameters() if not hasattr(q, "to_local")}
+        st = getattr(t, "elem", t).untyped_storage()  # the all-to-all's AsyncCollectiveTensor wraps a tensor
+        if st.data_ptr() not in params:
+            seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+    result["total"] = sum(seen.values())
+
+
+def build_model():
+    from transformers import Qwen2_5_VLConfig
+
+    from dhp.models.qwen2_5_vl import VisionModel
+
+    cfg = Qwen2_5_VLConfig(vision_config=dict(MEASURED_VISION, **VISION_COMMON))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cfg, VisionModel(cfg).float().train()
+
+
+def _pixels(p: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(p, PIXELS, generator=torch.Generator().manual_seed(p + 1000 * seed))
+
+
+def measure_none(p: int) -> dict:
+    _, model = build_model()
+    with saved_bytes(model) as saved:
+        out = model(_pixels(p), grid_of(p))
+    out.sum().backward()
+    return dict(layout="none", degree=1, seq_len=p, comm=0, grad=0, act=saved["total"])
+
+
+class Counter:
+    """Wraps the torch.distributed entry points the layouts use; bytes sent by this rank, by phase."""
+
+    _ALWAYS_GRAD = ("all_gather_single", "reduce_scatter_single")  # FSDP2's parameter gathers / gradient scatters
+    _BY_PHASE = ("all_reduce", "all_gather", "broadcast")
+
+    def __init__(self, rank: int, world: int):
+        import torch.distributed as dist
+
+        from dhp.models import sequence_parallel as sp
+
+        self.rank, self.world, self.comm, self.grad, self.phase = rank, world, 0.0, 0.0, "comm"
+
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        real_a2a = sp.all_to_all_single_autograd
+        real = {k: getattr(dist, k) for k in self._ALWAYS_GRAD + self._BY_PHASE}
+        rank_sends = {  # bytes this rank sends, by collective (ring algorithms)
+            "all_reduce": lambda tensor, *a, **k: 2 * (world - 1) / world * nbytes(tensor),
+            "all_gather": lambda tensor_list, tensor, *a, **k: (world - 1) * nbytes(tensor),
+            "broadcast": lambda tensor, src=None, *a, **k: 0 if src == rank else nbytes(tensor),
+            "all_gather_single": lambda output_tensor, input_tensor, *a, **k: (world - 1) * nbytes(input_tensor),
+            "reduce_scatter_single": lambda output, input, *a, **k: (world - 1) * nbytes(output),
+        }
+
+        def wrap(name):
+            def counted(*a, **k):
+                self.add(rank_sends[name](*a, **k), "grad" if name in self._ALWAYS_GRAD else self.phase)
+                return real[name](*a, **k)
+
+            return counted
+
+        def a2a(t, out_sizes, in_sizes, group):
+            row = math.prod(t.shape[1:]) * t.element_size()
+            self.add((sum(in_sizes) - in_sizes[rank]) * row, "comm")
+            out = real_a2a(t, out_sizes, in_sizes, group)
+            if out.requires_grad:  # the adjoint all-to-all sends this gradient with the splits swapped
+                out.register_hook(lambda g: self.add((sum(out_sizes) - out_sizes[rank]) * row, "comm"))
+            return out
+
+        for name in real:
+            setattr(dist, name, wrap(name))
+        sp.all_to_all_single_autograd = a2a
+
+    def add(self, n: float, phase: str) -> None:
+        setattr(self, phase, getattr(self, phase) + n)
+
+    def reset(self) -> None:
+        self.comm, self.grad, self.phase = 0.0, 0.0, "comm"
+
+
+def _run(layout: str, counter: Counter, p: int) -> dict:
+    """One micro-batch of `p` patches under `layout` on this rank: bytes sent and saved."""
+    import torch.distributed as dist
+
+    from dhp.models import sequence_parallel as sp
+    from dhp.models.vision_tensor_parallel import apply_vision_tensor_parallel
+    from dhp.models.zero3 import apply_zero3
+
+    rank, world, group = counter.rank, counter.world, dist.group.WORLD
+    cfg, model = build_model()
+    grid = grid_of(p)
+    if layout == "sequence":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.SGD, lr=1e-3)
+        plan, pixels = sp.plan_shards(grid, world, cfg), _pixels(p)
+
+        def forward():
+            shard = sp.sp_vision_forward(model.visual, plan.shard(pixels, rank), grid, plan, rank, group)
+            return sp.gather_merged(shard, plan, rank, group)
+
+    else:
+        if layout == "tensor":
+            apply_vision_tensor_parallel(model, group)
+            pixels = _pixels(p)  # every TP rank sees the same micro-batch
+        else:
+            apply_zero3(model, [*model.visual.blocks, model.visual.merger], world, torch.device("cpu"))
+            pixels = _pixels(p, seed=rank + 1)  # data parallel: each rank its own image
+
+        def forward():
+            return model(pixels, grid)
+
+    counter.reset()
+    with saved_bytes(model) as saved:
+        out = forward()
+    out.sum().backward()
+    counter.phase = "grad"
+    if layout == "sequence":  # ZeRO-1: the group's gradient sum, then each rank's share steps and is broadcast
+        for q in model.parameters():
+            dist.all_reduce(q.grad)
+        opt.step()
+    elif layout == "tensor":  # the convention: replicated parameters' gradients all-reduced (dhp skips it)
+        for q in model.parameters():
+            if not q._dhp_sharded:
+                dist.all_reduce(q.grad)
+    return dict(comm=counter.comm, grad=counter.grad, act=saved["total"])
+
+
+def _worker(rank: int, world: int, port: int, seqs: list[int], layouts: list[str], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    try:
+        counter = Counter(rank, world)
+        results = [dict(layout=lay, seq_len=p, **_run(lay, counter, p)) for lay in layouts for p in seqs]
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(world: int, seqs: list[int], layouts=LAYOUTS) -> list[dict]:
+    """Rows (layout, degree, seq_len, comm, grad, act, act_max) averaged over `world` spawned gloo ranks."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, port, seqs, list(layouts), tmp), nprocs=world, start_method="spawn")
+        per_rank = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(world)]
+    rows = []
+    for j, first in enumerate(per_rank[0]):
+        vals = [per_rank[r][j] for r in range(world)]
+        mean = {k: sum(v[k] for v in vals) / world for k in ("comm", "grad", "act")}
+        rows.append(dict(layout=first["layout"], degree=world, seq_len=first["seq_len"], **mean))
+        rows[-1]["act_max"] = max(v["act"] for v in vals)
+    return rows
