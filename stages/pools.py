@@ -4,6 +4,17 @@ A pool is `dp x degree` actors: data-parallel replica i is actors [i*degree, (i+
 sharing one sample stream (sequence- or tensor-parallel inside the replica). Vision replica i feeds text
 replica i, so both pools must have the same number of replicas. Every reference returned here can be
 handed straight to the other pool: Ray moves the tensor actor to actor, the driver never fetches it.
+
+Which transfer path a boundary tensor takes (the merged vision tokens [N, D] and their gradient):
+- same node (shared or disjoint placement on one machine, the CPU default): the producer's return value
+  is written once into Ray's shared-memory object store and the consumer on that node reads it from
+  there; no socket, no driver hop. On CPU that is the only copy.
+- different nodes: Ray's object manager pulls it node to node (one network copy).
+- GPU actors: stage outputs are staged through host memory (`.cpu()` in the worker, `.to(device)` in the
+  receiver): one device-to-host and one host-to-device copy. Ray Direct Transport would keep them on the
+  GPU, but it runs its collectives on the actor's *default* process group (DESIGN.md §6), which here is
+  the pool's own world, so it cannot link a vision actor to a text actor; CUDA IPC between two actors'
+  pools is left for when that lands. The tensors are small (merged tokens: patches / 4 x hidden).
 """
 
 from __future__ import annotations

@@ -88,3 +88,23 @@ def parity_data(tmp_path_factory) -> Path:
     ]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return root
+
+
+@pytest.fixture(scope="session")
+def parity_setup(tmp_path_factory, parity_data):
+    """A seeded tiny Qwen2.5-VL saved as an HF checkpoint, and the parity samples preprocessed."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+    from dhp.models.architectures import architecture_config
+
+    torch.manual_seed(1234)
+    model_config = architecture_config("tiny")
+    ref = Qwen2_5_VLForConditionalGeneration(model_config).float().train()
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    ref.save_pretrained(ckpt)
+    settings = PreprocessSettings(str(parity_data), min_pixels=56 * 56, max_pixels=224 * 224, max_seq_len=1024)
+    pre = Preprocessor(settings, model_config)
+    lines = (parity_data / "train.jsonl").read_text().splitlines()
+    samples = [decode_sample(pre({"source": "t", "record": line})["sample"]) for line in lines]
+    return ref, ckpt, samples

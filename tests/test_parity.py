@@ -1,8 +1,10 @@
-"""One vision actor + one text actor on Ray must train exactly like the single-process transformers model.
+"""Every layout of the two pools must train exactly like the single-process transformers model.
 
 The reference is `Qwen2_5_VLForConditionalGeneration` on the whole batch in one forward (it computes its
-own mRoPE positions); dhp splits the same batch into three micro-batches (one text-only), runs the vision stage and the
-text stage in separate actors, and moves embeddings and their gradients actor to actor.
+own mRoPE positions); dhp splits the same batch into micro-batches (one text-only) over data-parallel
+replicas, runs the vision and text stages in their own actor pools with the layout under test, and moves
+embeddings and their gradients actor to actor. Also: pipelined orders equal the serial one, and the
+per-rank checkpoint exports to a Hugging Face directory that computes what the dhp model computes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
 from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
-from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
 from dhp.models.architectures import architecture_config
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.stages.config import load_config
@@ -28,20 +29,6 @@ from tests.conftest import rel_err
 STEPS = 3
 SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
 TP2 = ["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"]
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, parity_data):
-    torch.manual_seed(1234)
-    model_config = architecture_config("tiny")
-    ref = Qwen2_5_VLForConditionalGeneration(model_config).float().train()
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    ref.save_pretrained(ckpt)
-    settings = PreprocessSettings(str(parity_data), min_pixels=56 * 56, max_pixels=224 * 224, max_seq_len=1024)
-    pre = Preprocessor(settings, model_config)
-    lines = (parity_data / "train.jsonl").read_text().splitlines()
-    samples = [decode_sample(pre({"source": "t", "record": line})["sample"]) for line in lines]
-    return ref, ckpt, samples
 
 
 def collect(trainer: Trainer, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -94,8 +81,8 @@ def _microbatch(chosen: list[dict], cfg) -> MicroBatch:
     ],
     ids=["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2"],
 )
-def test_steps_match_transformers(setup, ray_session, tmp_path, layout, replicas):
-    ref, ckpt, samples = setup
+def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, replicas):
+    ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)
     longest = max(s["input_ids"].shape[0] for s in samples)
     cfg = load_config(
@@ -178,9 +165,9 @@ def test_steps_match_transformers(setup, ray_session, tmp_path, layout, replicas
         trainer.shutdown()
 
 
-def test_pipelined_order_trains_like_serial(setup, ray_session):
+def test_pipelined_order_trains_like_serial(parity_setup, ray_session):
     """max_in_flight 1 (serial), 2 and 4 on sp2 / tp2 with three accumulated micro-batches: same parameters."""
-    _, ckpt, samples = setup
+    _, ckpt, samples = parity_setup
     results = {}
     for k in (1, 2, 4):
         cfg = load_config("tiny", SP2 + TP2 + [
@@ -203,16 +190,17 @@ def test_pipelined_order_trains_like_serial(setup, ray_session):
         assert losses == serial_losses, (k, losses, serial_losses)
         worst = max((params[n] - p).abs().max().item() for n, p in serial.items())
         assert worst <= 1e-6, f"max_in_flight={k}: parameters differ by {worst:.2e}"
-    assert any((serial[n] != setup[0].state_dict()[n]).any() for n in serial if n in setup[0].state_dict())
+    initial = parity_setup[0].state_dict()
+    assert any((serial[n] != initial[n]).any() for n in serial if n in initial)  # it did train
 
 
 @pytest.mark.parametrize("layout", [SP2 + TP2], ids=["sp2-tp2"])
-def test_export_hf_matches_dhp_model(setup, ray_session, tmp_path, layout):
+def test_export_hf_matches_dhp_model(parity_setup, ray_session, tmp_path, layout):
     """Per-rank dhp checkpoint -> `dhp export-hf` -> transformers: same tensors, same loss on a test batch."""
     from dhp.models.qwen2_5_vl import count_label_tokens
     from dhp.stages.cli import main
 
-    _, ckpt, samples = setup
+    _, ckpt, samples = parity_setup
     cfg = load_config("tiny", layout + [f"model.path={ckpt}", "training.steps=2", "training.warmup_steps=0"])
     trainer = Trainer(cfg)
     try:

@@ -1,0 +1,60 @@
+"""The CUDA path: nccl groups, bf16 autocast over fp32 master weights, SDPA, on one shared GPU.
+
+Marked `gpu` and skipped where no GPU is visible; the same logic runs on CPU/gloo in test_parity.py
+(this file adds only what differs on a GPU: the backend, the device, the compute dtype). Four actors
+(vision SP2, text TP2) share one GPU with a quarter each, as `pipeline.placement: shared` places them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ray
+import torch
+
+from dhp.dataflow.loader import GlobalBatch
+from dhp.dataflow.packing import text_inputs, vision_inputs
+from dhp.stages.config import load_config
+from dhp.stages.trainer import Trainer
+from tests.test_parity import SP2, TP2, _microbatch, collect
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "loss_tol", "grad_cos"), [("float32", 1e-4, 0.9999), ("bfloat16", 3e-2, 0.99)])
+def test_cuda_sp2_tp2_matches_cpu_reference(parity_setup, ray_session, dtype, loss_tol, grad_cos):
+    ref, ckpt, samples = parity_setup
+    ref = copy.deepcopy(ref)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = load_config("tiny", SP2 + TP2 + [
+            f"model.path={ckpt}", f"model.dtype={dtype}", "model.attn_implementation=sdpa",
+            "vision.num_gpus_per_actor=0.25", "text.num_gpus_per_actor=0.25",
+            "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
+        ])
+        trainer = Trainer(cfg)
+        try:
+            where = ray.get([a.where.remote() for a in trainer.vision.actors + trainer.text.actors])
+            assert all(w["device"].startswith("cuda") for w in where)
+            batches = [GlobalBatch([_microbatch([s], cfg) for s in samples], epoch=0)]
+            loss = trainer.accumulate(batches)
+            ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
+            grads = collect(trainer, grads=True)
+        finally:
+            trainer.shutdown()
+    finally:
+        ray.shutdown()
+    v, t = vision_inputs(samples), text_inputs(samples, pad_id=151643)
+    out = ref(input_ids=t["input_ids"], attention_mask=t["attention_mask"], labels=t["labels"],
+              pixel_values=v["pixel_values"], image_grid_thw=v["image_grid_thw"],
+              mm_token_type_ids=(t["input_ids"] == 151655).int())
+    out.loss.backward()
+    assert abs(loss - out.loss.item()) / out.loss.item() <= loss_tol
+    for name, p in ref.named_parameters():
+        cos = torch.nn.functional.cosine_similarity(grads[name].flatten().double(), p.grad.flatten().double(), dim=0)
+        assert cos >= grad_cos or p.grad.norm() < 1e-8, f"{name}: cosine {cos:.5f}"
