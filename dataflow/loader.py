@@ -37,6 +37,7 @@ class GlobalBatch:
     microbatches: list[MicroBatch]
     epoch: int
     skipped: dict[str, int] = field(default_factory=dict)  # new skips (by reason) since the last batch
+    state: dict[str, Any] = field(default_factory=dict)  # the loader's `state()` right after this batch
 
     @property
     def label_tokens(self) -> int:
@@ -127,9 +128,23 @@ class BatchLoader:
         self.budget = microbatch_tokens
         self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
         self.epoch, self.rows, self.exhausted = 0, None, False
+        self.cursor = 0  # rows (good or skipped) consumed in this epoch: the data position
+        self.skip_to = 0  # after `restore`: rows of the epoch already trained on
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
+
+    def state(self) -> dict[str, Any]:
+        """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "good": self.good, "skipped": dict(self.skipped),
+                "skip_examples": list(self.skip_examples)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue after the batch whose `state()` this is. The epoch's order is deterministic (seeded
+        shuffle, order-preserving Ray Data), so the rows before the cursor are read again and dropped."""
+        self.epoch, self.skip_to, self.cursor, self.rows = state["epoch"], state["cursor"], 0, None
+        self.good, self.skipped = state["good"], Counter(state["skipped"])
+        self.skip_examples = list(state["skip_examples"])
 
     def _next_row(self) -> dict[str, Any] | None:
         while not self.exhausted:
@@ -137,9 +152,13 @@ class BatchLoader:
                 seed = None if self.seed is None else self.seed + self.epoch
                 self.rows = iter(build_dataset(*self.args, seed=seed, **self.shard).iter_rows())
             try:
-                return next(self.rows)
+                row = next(self.rows)
+                self.cursor += 1
+                if self.cursor <= self.skip_to:
+                    continue  # trained on before the resume
+                return row
             except StopIteration:
-                self.rows = None
+                self.rows, self.cursor, self.skip_to = None, 0, 0
                 if not self.repeat:
                     self.exhausted = True
                     return None
@@ -172,7 +191,7 @@ class BatchLoader:
             meta = meta_of(vision, text)
             parts = split_for_ranks(vision, text, self.vision_sp, self.args[2])
             microbatches.append(MicroBatch([ray.put(p) for p in parts], ray.put(text), meta))
-        return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before))
+        return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before), self.state())
 
     def skip_report(self) -> dict[str, Any]:
         return {"counts": dict(self.skipped), "examples": list(self.skip_examples), "good": self.good}

@@ -131,21 +131,21 @@ def grad_sync_formula(s: Shape, layout: str, n: int, b: int) -> float:
 
 
 def activation_formula(s: Shape, layout: str, n: int, p: int, b: int) -> float:
-    """Saved-for-backward bytes per rank (elements counted from the transformers block, see the docstring)."""
+    """Saved-for-backward bytes per rank: elements per patch counted from the transformers modules."""
     hd, d = s.d // s.h, s.d
-    norm = 3 * d + 1  # RMSNorm keeps x, rsqrt, x * rsqrt (and its output is saved by the next Linear)
-    index = p / 4 * 8  # the int64 inverse window permutation, on every rank
-    if layout in ("none", "zero3") or (layout == "sequence" and n == 1):
-        per_tok = PIXELS + 2 * hd + s.depth * (13 * d + 4 * s.i + s.h + 2) + 6 * d + 1
-        return per_tok * p * b + index
+    norm = 3 * d + 1  # RMSNorm keeps x, rsqrt, x * rsqrt; its output is saved by the next Linear
+    attn = 7 * d + s.h  # q_rot, k_rot, the qkv output (v is a view of it), attention out, proj input; lse
+    mlp = 4 * s.i  # gate, act(gate), up, act * up
+    merger_mlp = 2 * d  # GELU input and output, [P/4, 4D] each
+    full = PIXELS + 2 * hd + s.depth * 2 * norm + norm  # pixels, cos/sin, the norms, ln_q: replicated under TP
+    sharded = s.depth * (attn + mlp) + merger_mlp
+    # int64 [P/4]: transformers' forward keeps the window index and its inverse; the SP path the inverse only
+    index = p / 4 * 8 * (1 if layout == "sequence" and n > 1 else 2)
+    if layout in ("none", "zero3") or n == 1:
+        return (full + sharded) * p * b + index
     if layout == "sequence":  # everything / N; a full block keeps the all-to-all output instead of q, k, qkv
-        per_tok = PIXELS + 2 * hd + s.depth * (13 * d + 4 * s.i + s.h + 2) - s.full * 2 * d + 6 * d + 1
-        return per_tok * p / n * b + index
-    # tensor: 2 norms per block, cos/sin, pixels, ln_q (x, rsqrt, x*rsqrt, output [P/4, 4D]) full; / N: per block
-    # q_rot, k_rot, qkv output (3), attn out, proj in = 7D, lse H, MLP 4I; merger GELU in and out (2 * [P/4, 4D])
-    full = PIXELS + 2 * hd + s.depth * 2 * norm + norm
-    shard = s.depth * (7 * d + s.h + 4 * s.i) + 2 * d
-    return (full + shard / n) * p * b + index
+        return (full + sharded - s.full * 2 * d) * p / n * b + index
+    return (full + sharded / n) * p * b + index  # tensor
 
 
 def max_seq(s: Shape, layout: str, n: int, budget: float, b: int) -> int:

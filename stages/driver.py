@@ -17,6 +17,7 @@ import ray
 from tqdm import tqdm
 
 from dhp.dataflow.synth import write_synthetic_dataset
+from dhp.stages.checkpoint_files import latest_valid, verify
 from dhp.stages.config import Config, save_config
 
 
@@ -76,19 +77,47 @@ def train(cfg: Config) -> dict[str, Any]:
     return summary
 
 
+def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint to continue from: `training.resume` = auto (newest valid in this run), none, or a path."""
+    resume = cfg.training.resume
+    if resume == "none":
+        return None
+    if resume != "auto":
+        problem = verify(Path(resume))
+        if problem:
+            raise FileNotFoundError(f"training.resume={resume}: not a usable checkpoint ({problem})")
+        return Path(resume)
+    ckpt, notes = latest_valid(run_dir / "checkpoints")
+    for note in notes:
+        print(f"resume: skipping {note}", flush=True)
+    return ckpt
+
+
 def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
     t = cfg.training
-    steps, history, eval_loss = t.steps, [], None
+    steps, history, eval_loss, first = t.steps, [], None, 1
     start = time.perf_counter()
+    ckpt_root = run_dir / "checkpoints"
+    resumed = _resume_point(cfg, run_dir)
+    if resumed is not None:
+        first = trainer.restore_checkpoint(resumed) + 1
+        print(f"resumed from {resumed} (step {first - 1})", flush=True)
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < first] \
+        if first > 1 and metrics_path.exists() else []
+    history = [json.loads(line)["loss"] for line in kept]
     pending = trainer.next_batch()
-    with open(run_dir / "metrics.jsonl", "w") as metrics, _progress(steps) as bar:
-        for step in range(1, steps + 1):
+    with open(metrics_path, "w") as metrics, _progress(steps, first - 1) as bar:
+        metrics.writelines(line + "\n" for line in kept)  # the steps before the resume point, as they were
+        for step in range(first, steps + 1):
             batches, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
             record = {"step": step, **trainer.train_step(batches)}
             if step == steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+            if step == steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
+                trainer.save_checkpoint(ckpt_root, batches)
             history.append(record["loss"])
             bar.update(1)
             busy = f"{record['vision_busy']:.2f}/{record['text_busy']:.2f}"
@@ -100,13 +129,13 @@ def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
     if cfg.pipeline.trace:
         trainer.write_trace(run_dir / "trace.json")
     if cfg.output.save_final_checkpoint:
-        trainer.save_checkpoint(run_dir / "checkpoints" / f"step_{steps:06d}")  # per rank, any layout
         trainer.save_weights(run_dir / "checkpoint")  # Hugging Face format
     summary = {
         "run_dir": str(run_dir),
         "steps": steps,
-        "first_loss": history[0],
-        "final_loss": sum(history[-5:]) / len(history[-5:]),
+        "resumed_from": str(resumed) if resumed else None,
+        "first_loss": history[0] if history else None,
+        "final_loss": sum(history[-5:]) / len(history[-5:]) if history else None,
         "eval_loss": eval_loss,
         "wall_s": time.perf_counter() - start,
         "skipped": trainer.skip_report(),
@@ -118,9 +147,9 @@ def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
 class _progress:
     """tqdm on a terminal; on a pipe (a Ray Job's log) the loop prints periodic lines instead."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, done: int = 0):
         self.interactive = sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc="train", unit="step", disable=not self.interactive)
+        self.bar = tqdm(total=total, initial=done, desc="train", unit="step", disable=not self.interactive)
 
     def __enter__(self) -> _progress:
         return self

@@ -225,6 +225,38 @@ class StageWorker(DistributedWorker):
         save_shard(self.local_state(), Path(out_dir), name)
         return name
 
+    def save_state(self, ckpt_dir: str) -> None:
+        """Everything this rank needs to continue exactly: its tensors, optimizer moments (its ZeRO share),
+        LR scheduler and RNG states. Read back with `torch.load(weights_only=True)`: no pickled code."""
+        self.save_local(ckpt_dir)
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's partition only
+        state = {
+            "optimizer": _to_local(optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.empty(0),
+        }
+        torch.save(state, Path(ckpt_dir) / f"{self.stage}-rank{self.rank:05d}-state.pt")
+
+    def load_state(self, ckpt_dir: str) -> None:
+        """Inverse of `save_state`, into a freshly built rank of the same layout."""
+        from safetensors.torch import load_file
+
+        local = load_file(Path(ckpt_dir) / f"{self.stage}-rank{self.rank:05d}.safetensors")
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, t in own.items():
+                local_tensor(t).copy_(local[name])
+        state = torch.load(Path(ckpt_dir) / f"{self.stage}-rank{self.rank:05d}-state.pt", weights_only=True)
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)
+        optimizer.load_state_dict(_like_params(state["optimizer"], optimizer))
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # a ZeRO wrapper keeps its own groups, which it copies into its partition's
+        torch.set_rng_state(state["rng"])
+        if self.device.type == "cuda" and state["cuda_rng"].numel():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+
     def save_weights(self, out_dir: str, *other_ranks: dict[str, torch.Tensor]) -> dict[str, str]:
         """Write this stage as one shard of an HF checkpoint dir; returns its weight_map.
 
@@ -244,3 +276,29 @@ def _assign_local_rows(module: nn.Module, state: dict[str, torch.Tensor]) -> Non
     with torch.no_grad():
         for name, rows in state.items():
             local_tensor(own[name]).copy_(rows)
+
+
+def _to_local(optim_state: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer state with DTensors (ZeRO-3) replaced by this rank's local tensors: plain, saveable."""
+    return {
+        **optim_state,
+        "state": {k: {n: local_tensor(v) for n, v in st.items()} for k, st in optim_state["state"].items()},
+    }
+
+
+def _like_params(optim_state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Inverse of `_to_local`: wrap local moments back into DTensors laid out like their parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = {}
+    for k, st in optim_state["state"].items():
+        p = params[int(k)]
+        if hasattr(p, "device_mesh"):
+            from torch.distributed.tensor import DTensor
+
+            st = {
+                n: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                if v.ndim else v
+                for n, v in st.items()
+            }
+        out[k] = st
+    return {**optim_state, "state": out}

@@ -6,6 +6,7 @@ loader -> vision pool, tokens loader -> text pool, embeddings vision -> text, gr
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -17,9 +18,10 @@ from transformers import Qwen2_5_VLConfig
 from dhp.dataflow.loader import BatchLoader, GlobalBatch, MicroBatch
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.models.architectures import architecture_config
-from dhp.models.export import write_meta
+from dhp.models.export import read_meta, write_meta
 from dhp.models.weights import write_index
-from dhp.stages.config import Config, ConfigError
+from dhp.stages.checkpoint_files import commit, staging_dir
+from dhp.stages.config import Config, ConfigError, save_config
 from dhp.stages.placement import describe, place_pools
 from dhp.stages.pools import TextPool, VisionPool, check_layout, data_parallel_size
 from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD, pipeline_schedule
@@ -240,15 +242,37 @@ class Trainer:
             weight_map.update(shard)
         write_index(out_dir, weight_map, self.model_config)
 
-    def save_checkpoint(self, ckpt_dir: Path) -> None:
-        """A dhp checkpoint: every rank writes its local tensors (no gathering); `dhp export-hf` converts it."""
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        ray.get([a.save_local.remote(str(ckpt_dir)) for _, pool in self.pools() for a in pool.actors])
-        layout = {
+    def layout(self) -> dict[str, dict[str, Any]]:
+        return {
             stage: {"parallelism": s.parallelism, "degree": s.degree, "num_actors": s.num_actors}
             for stage, s in (("vision", self.cfg.vision), ("text", self.cfg.text))
         }
-        write_meta(ckpt_dir, layout, self.step, self.model_config)
+
+    def save_checkpoint(self, root: Path, batches: list[GlobalBatch]) -> Path:
+        """RUN_DIR/checkpoints/step_N after the step that trained `batches`: every rank writes its own
+        tensors, optimizer share, scheduler and RNG (no gathering); the driver adds the data position of
+        each replica and the config; written atomically and verified on load (checkpoint_files.py)."""
+        tmp = staging_dir(root, self.step)
+        ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors])
+        write_meta(tmp, self.layout(), self.step, self.model_config)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
+        save_config(self.cfg, tmp / "config.yaml")
+        return commit(tmp, self.cfg.training.keep_last)
+
+    def restore_checkpoint(self, ckpt: Path) -> int:
+        """Load a checkpoint written by this layout; returns its step. The data streams continue after it."""
+        saved = read_meta(ckpt)["layout"]
+        if saved != self.layout():
+            raise ConfigError(
+                f"checkpoint {ckpt} was written with layout {saved}, this run has {self.layout()}: resuming "
+                f"across layouts is not supported; export its weights (dhp export-hf --checkpoint {ckpt} --out DIR) "
+                f"and start a new run from model.path=DIR, or resume with the original layout"
+            )
+        state = json.loads((ckpt / "trainer_state.json").read_text())  # one data stream per replica: same layout
+        ray.get([a.load_state.remote(str(ckpt)) for _, pool in self.pools() for a in pool.actors]
+                + [loader.restore.remote(s) for loader, s in zip(self.loaders, state["loaders"])])
+        self.step = state["step"]
+        return self.step
 
     def skip_report(self) -> dict[str, Any]:
         reports = ray.get([loader.skip_report.remote() for loader in self.loaders])

@@ -1,0 +1,109 @@
+"""Checkpoint directories on disk: written atomically, verified before use, pruned to the newest few.
+
+A checkpoint is `CKPT_ROOT/step_NNNNNN/`. It is assembled in `CKPT_ROOT/.tmp-step_NNNNNN/` (the actors and
+the driver write their files there), every file is fsynced, then `MANIFEST` (each file's size and SHA-256)
+is written and fsynced *last*, and the directory is renamed into place (atomic on POSIX) and the parent
+fsynced. A crash at any point leaves either no `step_N` or a complete one: a `.tmp-*` left behind is
+ignored and removed by the next save, and a `step_N` whose manifest is missing or disagrees with its files
+is never chosen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+MANIFEST = "MANIFEST.json"
+_STEP = re.compile(r"^step_(\d{6,})$")
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """A fresh temporary directory for the checkpoint of `step` (a stale one is removed first)."""
+    tmp = root / f".tmp-step_{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, keep_last: int) -> Path:
+    """fsync the files, write the manifest last, rename into place, prune; returns the final directory."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    for p in files:
+        _fsync(p)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    _fsync(tmp / MANIFEST)
+    final = tmp.parent / tmp.name.removeprefix(".tmp-")
+    if final.exists():  # a re-run of the same step replaces it (the old one stays valid until the rename)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(tmp.parent)
+    prune(tmp.parent, keep_last)
+    return final
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if every file listed in the manifest is there with its size and checksum; else what is wrong."""
+    path = ckpt / MANIFEST
+    if not path.is_file():
+        return "no manifest (the write did not finish)"
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return "unreadable manifest"
+    for name, want in manifest.items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"] or _sha256(f) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every `step_N` under root, oldest first (valid or not)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name))]
+    return sorted(found)
+
+
+def latest_valid(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and a note for each newer one that did not."""
+    notes = []
+    for _, ckpt in reversed(checkpoints(root)):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt, notes
+        notes.append(f"{ckpt.name}: {problem}")
+    return None, notes
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints (0 = keep all); drop stale staging directories."""
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last > 0:
+        for _, old in checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
