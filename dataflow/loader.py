@@ -22,7 +22,7 @@ import torch
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
 
-MAX_SKIP_EXAMPLES = 50  # skipped records kept with their location per loader (full quarantine: later)
+MAX_SKIP_EXAMPLES = 50  # examples in the run summary; every skipped record goes to RUN_DIR/quarantine.jsonl
 
 
 @dataclass
@@ -38,6 +38,7 @@ class GlobalBatch:
     epoch: int
     skipped: dict[str, int] = field(default_factory=dict)  # new skips (by reason) since the last batch
     state: dict[str, Any] = field(default_factory=dict)  # the loader's `state()` right after this batch
+    quarantined: list[dict[str, str]] = field(default_factory=list)  # the skipped records: source, error, detail
 
     @property
     def label_tokens(self) -> int:
@@ -170,15 +171,16 @@ class BatchLoader:
     def next_batch(self) -> GlobalBatch | None:
         """The next global batch, or None when a non-repeating stream is exhausted."""
         before = Counter(self.skipped)
-        samples = []
+        samples, bad = [], []
         while len(samples) < self.global_batch_size:
             row = self._next_row()
             if row is None:
                 break
             if row["error"]:
                 self.skipped[row["error"]] += 1
+                bad.append({k: row[k] for k in ("source", "error", "detail")})
                 if len(self.skip_examples) < MAX_SKIP_EXAMPLES:
-                    self.skip_examples.append({k: row[k] for k in ("source", "error", "detail")})
+                    self.skip_examples.append(bad[-1])
                 continue
             self.good += 1
             samples.append(decode_sample(row["sample"]))
@@ -191,7 +193,7 @@ class BatchLoader:
             meta = meta_of(vision, text)
             parts = split_for_ranks(vision, text, self.vision_sp, self.args[2])
             microbatches.append(MicroBatch([ray.put(p) for p in parts], ray.put(text), meta))
-        return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before), self.state())
+        return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before), self.state(), bad)
 
     def skip_report(self) -> dict[str, Any]:
         return {"counts": dict(self.skipped), "examples": list(self.skip_examples), "good": self.good}

@@ -62,7 +62,7 @@ class DataConfig:
     microbatch_tokens: int = 2048  # token budget of one micro-batch (batch x padded length)
     preprocess_workers: int = 1  # Ray Data actors running decode/resize/patchify/tokenize
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
-    shuffle_seed: int = 0
+    shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle
     synthetic: SynthConfig = field(default_factory=SynthConfig)
 
 

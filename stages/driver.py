@@ -93,6 +93,13 @@ def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
     return ckpt
 
 
+def _lines_before(path: Path, step: int) -> list[str]:
+    """JSONL lines of `path` whose `step` is before `step` (what a resumed run keeps)."""
+    if step <= 1 or not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
+
+
 def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
     t = cfg.training
     steps, history, eval_loss, first = t.steps, [], None, 1
@@ -102,15 +109,19 @@ def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
     if resumed is not None:
         first = trainer.restore_checkpoint(resumed) + 1
         print(f"resumed from {resumed} (step {first - 1})", flush=True)
-    metrics_path = run_dir / "metrics.jsonl"
-    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < first] \
-        if first > 1 and metrics_path.exists() else []
+    metrics_path, quarantine_path = run_dir / "metrics.jsonl", run_dir / "quarantine.jsonl"
+    kept, kept_quarantine = _lines_before(metrics_path, first), _lines_before(quarantine_path, first)
     history = [json.loads(line)["loss"] for line in kept]
     pending = trainer.next_batch()
-    with open(metrics_path, "w") as metrics, _progress(steps, first - 1) as bar:
+    with open(metrics_path, "w") as metrics, open(quarantine_path, "w") as quarantine, \
+            _progress(steps, first - 1) as bar:
         metrics.writelines(line + "\n" for line in kept)  # the steps before the resume point, as they were
+        quarantine.writelines(line + "\n" for line in kept_quarantine)
         for step in range(first, steps + 1):
             batches, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
+            for b in batches:  # every skipped record with its source location (file:line) and reason
+                quarantine.writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)
+            quarantine.flush()
             record = {"step": step, **trainer.train_step(batches)}
             if step == steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()

@@ -187,6 +187,7 @@ class Trainer:
             "tokens": tokens,
             "label_tokens": sum(b.label_tokens for b in batches),
             "microbatches": sum(len(b.microbatches) for b in batches),
+            "samples": sum(mb.meta.samples for b in batches for mb in b.microbatches),
             "step_time_s": elapsed,
             "tokens_per_s": tokens / elapsed,
             "epoch": batches[0].epoch,
