@@ -74,8 +74,10 @@ def test_tiny_is_the_default():
     assert cfg.model.name == "tiny"
     assert cfg.model.path is None
     assert cfg.model.dtype == "float32"
-    assert (cfg.vision.parallelism, cfg.vision.num_actors, cfg.vision.degree) == ("none", 1, 1)
-    assert (cfg.text.parallelism, cfg.text.num_actors, cfg.text.degree) == ("none", 1, 1)
+    # the mission's layout: vision sequence parallel 2, text tensor parallel 2, pipelined
+    assert (cfg.vision.parallelism, cfg.vision.num_actors, cfg.vision.degree) == ("sequence", 2, 2)
+    assert (cfg.text.parallelism, cfg.text.num_actors, cfg.text.degree) == ("tensor", 2, 2)
+    assert cfg.pipeline.max_in_flight == 2
     assert cfg.vision.num_gpus_per_actor == 0.0 and cfg.text.num_gpus_per_actor == 0.0  # CPU only
     assert cfg.data.train == ""  # the synthetic set
 
@@ -252,12 +254,12 @@ def test_null_for_non_optional_int_is_rejected(tmp_path):
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config("tiny", ["training.steps=20", "vision.num_actors=2", "model.path=/x", "data.synthetic.num=7"])
+    cfg = load_config("tiny", ["training.steps=20", "vision.num_actors=4", "model.path=/x", "data.synthetic.num=7"])
     assert cfg.training.steps == 20 and type(cfg.training.steps) is int
-    assert cfg.vision.num_actors == 2
+    assert cfg.vision.num_actors == 4
     assert cfg.model.path == "/x"
     assert cfg.data.synthetic.num == 7
-    assert cfg.text.num_actors == 1  # only the named stage changed
+    assert cfg.text.num_actors == 2  # only the named stage changed
     base = load_config("tiny")
     assert cfg.training.lr == base.training.lr and cfg.data.max_pixels == base.data.max_pixels
 
