@@ -31,7 +31,7 @@ Layouts:
             skips it (their gradients are bit-identical on every TP rank; it syncs over data-parallel
             replicas only). Degree N must divide heads (16), MLP (3420) and 4D (`check_vision_tp_degree`):
             the real shape splits 1, 2 or 4 ways, NOT 8 (3420 % 8 = 4): those rows carry `feasible: false`,
-            a `note`, the formula as if I split evenly, and no longest-fitting sequence.
+            a `note`, the formula as if the MLP split evenly, and no longest-fitting sequence.
   zero3     data parallel with FSDP2 (`models/zero3.py`): every block, the merger and the root reshard after
             forward, so each unit's parameters are all-gathered in forward and again in backward and its
             gradients reduce-scattered: 3 * (N-1)/N * params, each parameter padded to a multiple of N rows
@@ -49,7 +49,8 @@ saved tensors by saved_tensors_hooks). Degree 8 is not measured: 8 ranks on this
 = 4 rules out tensor there too. The formula is then evaluated for the measured shape and must be within
 +-15% of every count, else the script exits 1. `--plot` (default: the --json path with .png) draws comm and
 activations of the real shape and the formula/measured ratios.
-Usage: dhp bench layouts [--json PATH] [--quick] [--budget-gib 40]   (or python -m dhp.scripts.bench_layouts)
+Usage: dhp bench layouts [--json PATH] [--quick] [--budget-gib 40]
+       python -m dhp.scripts.bench_layouts [--json PATH] [--plot PNG] [--quick] [--budget-gib 40]
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ import torch
 
 from dhp.scripts.layout_counts import MEASURED_VISION, PIXELS, REAL_VISION, VISION_COMMON, measure, measure_none
 
-__all__ = ["MEASURED_VISION", "REAL_VISION", "VISION_COMMON", "PIXELS"]
 FORMULA_SEQ = [1024, 4096, 16384, 65536]
 DEGREES = [2, 4, 8]
 TOL = 0.15
@@ -234,7 +234,9 @@ def plot(rows: list[dict], path: str, budget: float) -> None:
             (r["seq_len"], r[key] / 2**30, r["feasible"]) for r in real if (r["layout"], r["degree"]) == (layout, n)
         )
         ok = pts[0][2]
-        label = f"{layout} N={n}" + ("" if ok else " (infeasible: 3420 % 8)")
+        label = (
+            f"{layout} N={n}" + ("" if ok else " (infeasible: 3420 % 8)") + (" (= none)" if layout == "zero3" else "")
+        )
         style = {"ls": "-" if ok else ":", **style}
         ax.plot([x for x, *_ in pts], [y for _, y, _ in pts], label=label, **style)
 

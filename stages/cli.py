@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"dhp: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from dhp.stages.driver import TrainingFailed
+
+        if not isinstance(e, TrainingFailed):
+            raise
+        print(f"dhp: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

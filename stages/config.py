@@ -83,6 +83,7 @@ class TrainingConfig:
     log_every: int = 1
     checkpoint_every: int = 0  # steps between checkpoints (RUN_DIR/checkpoints/step_N); 0 = only at the end
     keep_last: int = 3  # checkpoints kept (older ones deleted); 0 = keep all
+    max_restarts: int = 2  # times a run rebuilds its pools after a stage actor dies, then fails
     resume: str = "auto"  # auto: continue from the newest valid checkpoint of RUN_DIR if any; none; or a path
 
 
@@ -263,7 +264,8 @@ def validate(config: Config) -> None:
         (d.min_pixels <= d.max_pixels, "data.min_pixels must be <= data.max_pixels"),
         (d.max_seq_len <= d.microbatch_tokens, "data.max_seq_len must be <= data.microbatch_tokens"),
         (d.preprocess_workers >= 1, "data.preprocess_workers must be >= 1"),
-        (t.checkpoint_every >= 0 and t.keep_last >= 0, "training.checkpoint_every and keep_last must be >= 0"),
+        (min(t.checkpoint_every, t.keep_last, t.max_restarts) >= 0,
+         "training.checkpoint_every, keep_last and max_restarts must be >= 0"),
         (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),
     ]
     for stage in ("vision", "text"):

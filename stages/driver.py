@@ -65,16 +65,62 @@ def train(cfg: Config) -> dict[str, Any]:
     train_paths, eval_paths, image_root = resolve_data(cfg)
     started_ray = not ray.is_initialized()
     init_ray(cfg)
-    trainer = None
+    faults: list[dict[str, Any]] = []
     try:
-        trainer = Trainer(cfg, train_paths, eval_paths, image_root)
-        summary = _loop(cfg, trainer, run_dir)
+        while True:  # one pass per attempt: a dead stage actor costs a rebuild and a resume, not the run
+            trainer = None
+            try:
+                trainer = Trainer(cfg, train_paths, eval_paths, image_root)
+                summary = _loop(cfg, trainer, run_dir, after_fault=bool(faults))
+                break
+            except Exception as e:  # noqa: BLE001 (sorted out below: only a lost actor is retried)
+                if trainer is None or not _lost_an_actor(e, trainer):
+                    raise
+                faults.append({"detected_at": time.time(), "error": _one_line(e)})
+                if len(faults) > cfg.training.max_restarts:
+                    raise TrainingFailed(
+                        f"a stage actor died and training.max_restarts={cfg.training.max_restarts} restarts are "
+                        f"used up; last error: {faults[-1]['error']}"
+                    ) from None
+                print(f"fault: {faults[-1]['error']}; rebuilding both pools and resuming from the last checkpoint "
+                      f"(restart {len(faults)}/{cfg.training.max_restarts})", flush=True)
+            finally:
+                if trainer is not None:
+                    trainer.shutdown()  # every actor and placement group of this attempt: nothing orphaned
     finally:
-        if trainer is not None:
-            trainer.shutdown()
         if started_ray:
             ray.shutdown()
+    summary["restarts"] = faults
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+class TrainingFailed(RuntimeError):
+    """The run cannot continue (restarts used up); the message says why, for a one-line CLI error."""
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def _lost_an_actor(error: Exception, trainer) -> bool:
+    """Was `error` caused by a stage or loader actor dying (as opposed to a bug, which is not retried)?
+
+    A dead actor's own calls raise RayActorError; calls that depended on its outputs, or that waited in a
+    collective with it, fail with other errors. So: look for an actor that no longer answers.
+    """
+    if isinstance(error, ray.exceptions.RayActorError):
+        return True
+    if not isinstance(error, ray.exceptions.RayError):
+        return False
+    actors = [a for _, pool in trainer.pools() for a in pool.actors] + trainer.loaders
+    pings = [a.__ray_ready__.remote() for a in actors]
+    try:
+        ray.get(pings, timeout=10)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return True
+    return False
 
 
 def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
@@ -100,12 +146,13 @@ def _lines_before(path: Path, step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
 
 
-def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
+def _loop(cfg: Config, trainer, run_dir: Path, after_fault: bool = False) -> dict[str, Any]:
     t = cfg.training
     steps, history, eval_loss, first = t.steps, [], None, 1
     start = time.perf_counter()
     ckpt_root = run_dir / "checkpoints"
-    resumed = _resume_point(cfg, run_dir)
+    # After a fault, this run's own newest checkpoint, whatever `training.resume` said at the start.
+    resumed = latest_valid(ckpt_root)[0] if after_fault else _resume_point(cfg, run_dir)
     if resumed is not None:
         first = trainer.restore_checkpoint(resumed) + 1
         print(f"resumed from {resumed} (step {first - 1})", flush=True)
@@ -122,7 +169,7 @@ def _loop(cfg: Config, trainer, run_dir: Path) -> dict[str, Any]:
             for b in batches:  # every skipped record with its source location (file:line) and reason
                 quarantine.writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)
             quarantine.flush()
-            record = {"step": step, **trainer.train_step(batches)}
+            record = {"step": step, **trainer.train_step(batches), "time": time.time()}
             if step == steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()
             metrics.write(json.dumps(record) + "\n")

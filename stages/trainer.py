@@ -288,6 +288,9 @@ class Trainer:
         }
 
     def shutdown(self) -> None:
+        """Kill every actor this trainer started (pools, loaders) and free its placement groups."""
         for pool in (self.vision, self.text):
             pool.shutdown()
+        for loader in [*self.loaders, *([self.eval_loader] if self.eval_loader else [])]:
+            ray.kill(loader, no_restart=True)
         self.placement.remove()
