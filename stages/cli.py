@@ -6,6 +6,7 @@
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M]   (pipelined vs serial steps)
+    dhp bench recovery [--json PATH] [--quick]                (time to detect a killed actor and train again)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -49,7 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     layouts.add_argument("--json", default=None, help="write the rows here")
     layouts.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
     layouts.add_argument("--budget-gib", type=float, default=40.0, help="per-rank activation budget")
-    layouts.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element, real-shape rows")
+    layouts.add_argument("--dtype-bytes", type=int, default=2, help="bytes per activation element, real-shape rows")
+    layouts.add_argument("--plot", default=None, help="write the PNG here (default: the --json path with .png)")
+    recovery = bench.add_parser("recovery", help="kill a stage actor mid-run: detect / recover time, steps lost")
+    recovery.add_argument("--json", default=None, help="write the row here")
+    recovery.add_argument("--quick", action="store_true", help="6 steps (for tests)")
     pipe = bench.add_parser("pipeline", help="pipelined vs serial micro-batch order: step time, bubble, overhead")
     pipe.add_argument("--json", default=None, help="write the rows here (traces beside it)")
     pipe.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
@@ -87,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_layouts import main as bench_layouts
 
             return bench_layouts(args)
+        elif args.command == "bench" and args.bench_command == "recovery":
+            from dhp.scripts.bench_recovery import main as bench_recovery
+
+            return bench_recovery(args)
         elif args.command == "bench" and args.bench_command == "pipeline":
             from dhp.scripts.bench_pipeline import main as bench_pipeline
 
