@@ -27,6 +27,10 @@ from dhp.stages.trainer import Trainer
 from tests.conftest import rel_err
 
 STEPS = 3
+# The layouts below are written relative to one vision and one text actor without parallelism (the
+# shipped default is the SP2 / TP2 mission layout).
+BASE = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
+        "text.parallelism=none", "text.num_actors=1", "text.degree=1"]
 SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
 TP2 = ["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"]
 
@@ -87,7 +91,7 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
     longest = max(s["input_ids"].shape[0] for s in samples)
     cfg = load_config(
         "tiny",
-        layout + [
+        BASE + layout + [
             f"model.path={ckpt}",
             f"data.microbatch_tokens={longest}",
             f"data.max_seq_len={longest}",
@@ -206,16 +210,16 @@ def test_export_hf_matches_dhp_model(parity_setup, ray_session, tmp_path, layout
     try:
         batches = [GlobalBatch([_microbatch(samples[:2], cfg)], epoch=0)]
         trainer.train_step(batches)  # move the weights away from the checkpoint they were loaded from
-        trainer.save_checkpoint(tmp_path / "dhp_ckpt")
+        dhp_ckpt = trainer.save_checkpoint(tmp_path / "checkpoints", batches)
         mb = batches[0].microbatches[0]
         dhp_loss = ray.get(trainer.text.forward_eval(0, mb.text, trainer.vision.forward_eval(0, mb.vision)))
         params = collect(trainer)
     finally:
         trainer.shutdown()
-    rank_files = sorted(p.name for p in (tmp_path / "dhp_ckpt").glob("*-rank*.safetensors"))
+    rank_files = sorted(p.name for p in dhp_ckpt.glob("*-rank*.safetensors"))
     assert rank_files == [f"{s}-rank{r:05d}.safetensors" for s in ("text", "vision") for r in range(2)]
 
-    assert main(["export-hf", "--checkpoint", str(tmp_path / "dhp_ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export-hf", "--checkpoint", str(dhp_ckpt), "--out", str(tmp_path / "hf")]) == 0
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf").float().eval()
     for name, p in hf.named_parameters():
         assert torch.equal(p.detach(), params[name]), name
