@@ -19,7 +19,8 @@ SCENARIOS = ["balanced", "vision_heavy", "text_heavy"]
 REQUIRED = {"scenario", "vision_s", "text_s", "serial_step_s", "pipelined_step_s", "driver_overhead_ms"}
 POSITIVE = REQUIRED - {"scenario"} | {
     "predicted_step_s", "predicted_serial_step_s", "ratio_to_max", "serial_ratio", "speedup", "tv_over_tt",
-    "vision_ms_per_mb", "text_ms_per_mb", "pipelined_vision_s", "pipelined_text_s",
+    "vision_ms_per_mb", "text_ms_per_mb", "serial_vision_s", "serial_text_s", "pipelined_vision_s",
+    "pipelined_text_s",
 }
 FRACTIONS = {f"{mode}_{k}" for mode in ("serial", "pipelined") for k in ("vision_busy", "text_busy", "bubble")}
 
@@ -42,6 +43,11 @@ def test_rows(quick):
         for k in FRACTIONS:
             assert 0.0 <= r[k] <= 1.0, (r["scenario"], k, r[k])
         assert r["microbatches"] == bench.QUICK["microbatches"]
+        for pool in ("vision", "text"):  # each pool alone: the less disturbed of its two measurements
+            assert r[f"{pool}_s"] == min(r[f"serial_{pool}_s"], r[f"pipelined_{pool}_s"])
+        bound = max(r["vision_s"], r["text_s"])
+        assert r["ratio_to_max"] == pytest.approx(r["pipelined_step_s"] / bound, rel=1e-2)
+        assert r["speedup"] == pytest.approx(r["serial_step_s"] / r["pipelined_step_s"], rel=1e-2)
         assert r["vision_depth"] >= 1 and r["text_layers"] >= 1
         # Both orders run the same batch; at lr 1e-6 a few steps apart they give (almost) the same loss.
         assert math.isfinite(r["serial_loss"]) and abs(r["pipelined_loss"] / r["serial_loss"] - 1) < 1e-2, r
@@ -61,6 +67,7 @@ def test_traces_and_timelines_beside_the_json(quick):
             assert names.count("forward") == names.count("backward") == names.count("forward_backward") == m
             assert names.count("optimizer_step") == 2
             assert all(e["dur"] >= 0 for e in calls)
+    assert out.with_name(f"{out.stem}.timelines.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = out.with_name(f"{out.stem}.timelines.txt").read_text()
     assert all(name in text for name in SCENARIOS) and text.count("vision |") == 2 * len(SCENARIOS)
 
