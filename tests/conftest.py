@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,13 @@ def ray_session():
         yield ray
     finally:
         ray.shutdown()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a spawned process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

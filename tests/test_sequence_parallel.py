@@ -8,7 +8,6 @@ some ranks hold no patch at all, and every rank must make the same collectives.
 from __future__ import annotations
 
 import dataclasses
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from dhp.models import sequence_parallel as sp_mod
 from dhp.models.architectures import architecture_config
 from dhp.models.qwen2_5_vl import VisionModel
 from dhp.models.sequence_parallel import check_sp_degree, gather_merged, plan_shards, sp_vision_forward
-from tests.conftest import perturbed_reference, rel_err
+from tests.conftest import free_port, perturbed_reference, rel_err
 
 MAIN = [[1, 16, 20], [1, 8, 8], [1, 4, 6]]  # the last image is one window: smaller than sp x window
 CASES = {
@@ -45,12 +44,6 @@ def reference_case(model: VisionModel, grid: list[list[int]], seed: int) -> dict
     (out * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return dict(grid=grid_thw, pixels=pixels, weights=weights, out=out.detach(), grads=grads)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, state: dict, cases: dict, done_dir: str) -> None:
@@ -117,7 +110,7 @@ def test_sp_forward_backward_match_unsharded(reference, world, tmp_path):
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # The ranks assert; a failing rank makes start_processes raise. Each rank also reports completion.
     mp.start_processes(
-        _worker, args=(world, _free_port(), state, cases, str(tmp_path)), nprocs=world, start_method="spawn"
+        _worker, args=(world, free_port(), state, cases, str(tmp_path)), nprocs=world, start_method="spawn"
     )
     for rank in range(world):
         assert (tmp_path / f"rank{rank}.ok").read_text() == ",".join(cases)

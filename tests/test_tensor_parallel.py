@@ -6,7 +6,6 @@ heads on the tiny config). Each rank also builds the unsharded reference from th
 from __future__ import annotations
 
 import copy
-import socket
 from datetime import timedelta
 
 import pytest
@@ -25,7 +24,7 @@ from dhp.models.tensor_parallel import (
     shard_state_dict_for_rank,
     tp_slice,
 )
-from tests.conftest import perturbed_reference, rel_err
+from tests.conftest import free_port, perturbed_reference, rel_err
 
 IMAGE_PAD, END = 151655, 151643
 STEPS = 3
@@ -120,12 +119,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         torch.save(res, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 4])

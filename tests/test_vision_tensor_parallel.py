@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import itertools
 import multiprocessing
-import socket
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -29,7 +28,7 @@ from dhp.models.vision_tensor_parallel import (
     shard_vision_state_dict_for_rank,
     vision_tp_slice,
 )
-from tests.conftest import perturbed_reference, rel_err
+from tests.conftest import free_port, perturbed_reference, rel_err
 
 STEPS = 3
 GRID = [[1, 8, 12], [1, 4, 4]]  # two images of different sizes; the first spans two attention windows
@@ -133,12 +132,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.save(res, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
