@@ -205,30 +205,52 @@ def tp_slice(name: str, rank: int, tp: int, config) -> tuple[slice, ...] | None:
     return None
 
 
+def read_part(source, idx) -> torch.Tensor:
+    """`source[idx]` for a tensor or a safetensors slice; a list index (several row blocks, e.g. a fused
+    qkv) reads its parts and concatenates them."""
+    return torch.cat([source[i] for i in idx]) if isinstance(idx, list) else source[idx]
+
+
+def shard_sliced(full_state: dict[str, torch.Tensor], slicer) -> dict[str, torch.Tensor]:
+    """Local state dict from a full one; `slicer(name)` -> index of this rank's part or None (replicated)."""
+    out = {}
+    for name, tensor in full_state.items():
+        idx = slicer(name)
+        out[name] = tensor if idx is None else read_part(tensor, idx).clone()
+    return out
+
+
+def gather_sliced(shards: list[dict[str, torch.Tensor]], slicer) -> dict[str, torch.Tensor]:
+    """Inverse of `shard_sliced` over all ranks: `slicer(name, rank)` as there, `shards` in rank order."""
+    out = {}
+    for name, first in shards[0].items():
+        idxs = [slicer(name, rank) for rank in range(len(shards))]
+        if idxs[0] is None:
+            out[name] = first.clone()
+            continue
+        parts = [idx if isinstance(idx, list) else [idx] for idx in idxs]
+        shape = [n if parts[0][0][d] == slice(None) else max(p[d].stop for ps in parts for p in ps)
+                 for d, n in enumerate(first.shape)]
+        out[name] = first.new_empty(shape)
+        for shard, rank_parts in zip(shards, parts):  # a replicated KV head is written once per holder
+            offset = 0  # the local rows of a list index are its parts, one after another
+            for p in rank_parts:
+                rows = len(range(*p[0].indices(shape[0]))) if len(rank_parts) > 1 else shard[name].shape[0]
+                out[name][p] = shard[name][offset : offset + rows]
+                offset += rows
+    return out
+
+
 def shard_state_dict_for_rank(
     full_state: dict[str, torch.Tensor], rank: int, tp: int, config
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s local state dict (copies of its slices; replicated tensors as they are)."""
-    out = {}
-    for name, tensor in full_state.items():
-        idx = tp_slice(name, rank, tp, config)
-        out[name] = tensor if idx is None else tensor[idx].clone()
-    return out
+    return shard_sliced(full_state, lambda name: tp_slice(name, rank, tp, config))
 
 
 def gather_full_state_dict(shards: list[dict[str, torch.Tensor]], config) -> dict[str, torch.Tensor]:
     """Inverse of `shard_state_dict_for_rank`: full tensors from every rank's local state dict, in rank order."""
-    tp, out = len(shards), {}
-    for name, first in shards[0].items():
-        idxs = [tp_slice(name, rank, tp, config) for rank in range(tp)]
-        if idxs[0] is None:
-            out[name] = first.clone()
-            continue
-        shape = [n if idxs[0][d] == slice(None) else max(i[d].stop for i in idxs) for d, n in enumerate(first.shape)]
-        out[name] = first.new_empty(shape)
-        for shard, idx in zip(shards, idxs):  # a replicated KV head is written once per holder: same values
-            out[name][idx] = shard[name]
-    return out
+    return gather_sliced(shards, lambda name, rank: tp_slice(name, rank, len(shards), config))
 
 
 def _copy_hook(group, module, args, kwargs):

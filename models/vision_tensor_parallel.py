@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.tensor_parallel import copy_to_region, reduce_from_region
+from dhp.models.tensor_parallel import copy_to_region, gather_sliced, read_part, reduce_from_region, shard_sliced
 
 Index = tuple[slice, ...] | list[tuple[slice, ...]]
 
@@ -111,43 +111,16 @@ def vision_tp_slice(name: str, rank: int, tp: int, vision_config) -> Index | Non
     return None
 
 
-def read_part(source, idx: Index) -> torch.Tensor:
-    """`source[idx]` for a tensor or a safetensors slice; a list index reads its parts and concatenates them."""
-    return torch.cat([source[i] for i in idx]) if isinstance(idx, list) else source[idx]
-
-
 def shard_vision_state_dict_for_rank(
     full_state: dict[str, torch.Tensor], rank: int, tp: int, vision_config
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s local state dict (copies of its parts; replicated tensors as they are)."""
-    out = {}
-    for name, tensor in full_state.items():
-        idx = vision_tp_slice(name, rank, tp, vision_config)
-        out[name] = tensor if idx is None else read_part(tensor, idx).clone()
-    return out
+    return shard_sliced(full_state, lambda name: vision_tp_slice(name, rank, tp, vision_config))
 
 
 def gather_full_vision_state_dict(shards: list[dict[str, torch.Tensor]], vision_config) -> dict[str, torch.Tensor]:
     """Inverse of `shard_vision_state_dict_for_rank`: full tensors from every rank's local dict, in rank order."""
-    tp, out = len(shards), {}
-    for name, first in shards[0].items():
-        idxs = [vision_tp_slice(name, rank, tp, vision_config) for rank in range(tp)]
-        if idxs[0] is None:
-            out[name] = first.clone()
-            continue
-        parts = [idx if isinstance(idx, list) else [idx] for idx in idxs]
-        shape = list(first.shape)
-        for d, s in enumerate(parts[0][0]):
-            if s != slice(None):
-                shape[d] = max(p[d].stop for rank_parts in parts for p in rank_parts)
-        out[name] = first.new_empty(shape)
-        for shard, rank_parts in zip(shards, parts):
-            offset = 0  # the local rows of a list index are its parts, one after another
-            for p in rank_parts:
-                rows = len(range(*p[0].indices(shape[0])))
-                out[name][p] = shard[name][offset : offset + rows]
-                offset += rows
-    return out
+    return gather_sliced(shards, lambda name, rank: vision_tp_slice(name, rank, len(shards), vision_config))
 
 
 def _copy_hook(group, module, args, kwargs):

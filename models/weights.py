@@ -20,6 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from dhp.models.tensor_parallel import read_part
+
 INDEX_FILE = "model.safetensors.index.json"
 _LEGACY = [  # original release names -> transformers 5 names
     (re.compile(r"^visual\."), "model.visual."),
@@ -98,8 +100,8 @@ def load_stage_weights(
             idx = slicer(local) if slicer else None
             if idx is None:
                 state[local] = f.get_tensor(stored_as)
-            else:  # a list (vision TP's fused qkv): this rank's row blocks, read one by one, concatenated
-                state[local] = torch.cat([part[i] for i in idx]) if isinstance(idx, list) else part[idx]
+            else:  # a list index (vision TP's fused qkv): its row blocks, read one by one, concatenated
+                state[local] = read_part(part, idx)
     if assign is not None:
         assign(module, state)
     else:
