@@ -2,11 +2,15 @@
 
     dhp train [--config PRESET_OR_YAML] [KEY=VALUE ...]
     dhp data synth --out DIR --num N --seed S [--eval-num M]
+    dhp data convert-coco --captions FILE --images DIR --out FILE        (COCO captions -> conversations)
+    dhp data convert-laion-pop --in FILE --out FILE [--image-field K] [--caption-field K]
+    dhp report RUN_DIR [--out DIR]                            (PNG plots of a run + a summary table)
     dhp config [--config PRESET_OR_YAML] [KEY=VALUE ...]     (print the resolved config)
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M]   (pipelined vs serial steps)
     dhp bench recovery [--json PATH] [--quick]                (time to detect a killed actor and train again)
+    dhp bench data [--json PATH] [--quick]                    (Ray Data preprocessing vs a plain loop; data wait)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -41,6 +45,23 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--eval-num", type=int, default=None)
     synth.add_argument("--seed", type=int, default=0)
 
+    coco = data.add_parser("convert-coco", help="COCO captions JSON -> conversation-format JSONL")
+    coco.add_argument("--captions", required=True, help="captions_*.json (images + annotations)")
+    coco.add_argument("--images", required=True, help="image directory (local or s3://); checked for each image")
+    coco.add_argument("--out", required=True, help="output JSONL")
+    coco.add_argument("--prompt", default=None, help="user turn (default: '<image>\\nDescribe this image.')")
+    coco.add_argument("--all-captions", action="store_true", help="one record per caption (default: first)")
+    laion = data.add_parser("convert-laion-pop", help="LAION-POP parquet/JSONL rows -> conversation-format JSONL")
+    laion.add_argument("--in", dest="src", required=True, help="input .parquet, .jsonl or .json")
+    laion.add_argument("--out", required=True, help="output JSONL")
+    laion.add_argument("--image-field", default=None, help="column with the image key/path/URL (default: auto)")
+    laion.add_argument("--caption-field", default=None, help="column with the caption (default: auto)")
+    laion.add_argument("--prompt", default=None, help="user turn (default: '<image>\\nDescribe this image.')")
+
+    report = sub.add_parser("report", help="plots (PNG) and a summary table of a run directory")
+    report.add_argument("run_dir", help="RUN_DIR (holds metrics.jsonl)")
+    report.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR/report)")
+
     export = sub.add_parser("export-hf", help="dhp checkpoint (per-rank shards) -> Hugging Face directory")
     export.add_argument("--checkpoint", required=True, help="RUN_DIR/checkpoints/step_N")
     export.add_argument("--out", required=True, help="output directory (from_pretrained loads it)")
@@ -60,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     pipe.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
     pipe.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5)")
     pipe.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12)")
+    bdata = bench.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
+    bdata.add_argument("--json", default=None, help="write the row here")
+    bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
     return p
 
 
@@ -83,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             s = write_synthetic_dataset(args.out, args.num, seed=args.seed, eval_num=args.eval_num)
             state = "already present" if s.reused else "written"
             print(f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images {state} in {s.out_dir}")
+        elif args.command == "data" and args.data_command in ("convert-coco", "convert-laion-pop"):
+            from dhp.dataflow.convert import main as convert
+
+            return convert(args)
+        elif args.command == "report":
+            from dhp.scripts.report import main as report
+
+            return report(args)
         elif args.command == "export-hf":
             from dhp.models.export import export_hf
 
@@ -100,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_pipeline import main as bench_pipeline
 
             return bench_pipeline(args)
+        elif args.command == "bench" and args.bench_command == "data":
+            from dhp.scripts.bench_data import main as bench_data
+
+            return bench_data(args)
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"dhp: error: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,18 @@ class SynthConfig:
 
 
 @dataclass
+class StorageConfig:
+    endpoint_url: str | None = None  # S3-compatible endpoint (http(s)://host:port); None: AWS_ENDPOINT_URL(_S3) or AWS
+    region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / the profile's region
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"  # path-style for most non-AWS endpoints
+    profile: str | None = None  # AWS profile for credentials (None: AWS_PROFILE or the default chain)
+    anonymous: bool = False  # unsigned requests (public buckets)
+    max_attempts: int = 6  # tries per request; timeouts, 5xx and throttling are retried with backoff
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+
+
+@dataclass
 class DataConfig:
     train: str = ""  # annotation file (JSON array or JSONL); empty = the synthetic set
     eval: str = ""  # held-out annotation file; empty = none (or the synthetic val split)
@@ -64,6 +76,7 @@ class DataConfig:
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
     shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle
     synthetic: SynthConfig = field(default_factory=SynthConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)  # how s3:// paths are reached (never credentials)
 
 
 @dataclass
@@ -105,6 +118,8 @@ class OutputConfig:
     dir: str = "runs"  # runs are written to dir/name
     name: str | None = None  # None: a timestamp
     save_final_checkpoint: bool = True
+    tensorboard: bool = True  # write TensorBoard event files to RUN_DIR/tensorboard
+    peak_tflops: float | None = None  # per-actor peak for the MFU estimate; None: known GPU table, or measured on CPU
 
 
 @dataclass
