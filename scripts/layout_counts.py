@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import tempfile
 from datetime import timedelta
 
@@ -189,12 +188,15 @@ def _run(layout: str, counter: Counter, p: int) -> dict:
     return dict(comm=counter.comm, grad=counter.grad, act=saved["total"])
 
 
-def _worker(rank: int, world: int, port: int, seqs: list[int], layouts: list[str], out_dir: str) -> None:
+def _worker(rank: int, world: int, seqs: list[int], layouts: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
+    from dhp.stages.rendezvous import pin_collectives_to_loopback
+
     torch.set_num_threads(1)
+    pin_collectives_to_loopback()  # one machine: a file store and loopback sockets, nothing else listens
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+        "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world, timeout=timedelta(seconds=300)
     )
     try:
         counter = Counter(rank, world)
@@ -209,11 +211,8 @@ def measure(world: int, seqs: list[int], layouts=LAYOUTS) -> list[dict]:
     """Rows (layout, degree, seq_len, comm, grad, act, act_max) averaged over `world` spawned gloo ranks."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, port, seqs, list(layouts), tmp), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, seqs, list(layouts), tmp), nprocs=world, start_method="spawn")
         per_rank = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(world)]
     rows = []
     for j, first in enumerate(per_rank[0]):

@@ -1,19 +1,21 @@
 """A pool of Ray actors that form one torch.distributed world: one per model stage.
 
 Each actor is its own process, so each pool gets its own default process group (gloo on CPU, nccl on
-GPU) whose collectives never mix with the other pool's. Rank 0 picks a free port; all ranks then join.
+GPU) whose collectives never mix with the other pool's. Rank 0 listens on a free port of its node IP
+(127.0.0.1 on a local run: stages/rendezvous.py); all ranks then join.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dhp.stages import rendezvous
 
 
 class DistributedWorker:
@@ -29,10 +31,10 @@ class DistributedWorker:
             self.device = torch.device("cpu")
 
     def address(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """(node IP, port) of the pool's TCPStore, served by this (rank 0) actor on a socket it keeps open."""
+        host = ray.util.get_node_ip_address()
+        self._store_socket = rendezvous.listen(host)
+        return host, self._store_socket.getsockname()[1]
 
     def init_process_group(self, master_addr: str, master_port: int, degree: int = 1, timeout_s: float = 600) -> None:
         """Join the pool's world, then split it into model-parallel groups (consecutive ranks, one per
@@ -43,9 +45,12 @@ class DistributedWorker:
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if rendezvous.is_loopback(master_addr):
+            rendezvous.pin_collectives_to_loopback()
+        sock = getattr(self, "_store_socket", None) if self.rank == 0 else None
+        store = rendezvous.store(master_addr, master_port, self.world_size, self.rank, sock, timeout_s)
         dist.init_process_group(
-            backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
         )
         self.degree, self.dp = degree, self.world_size // degree
         self.replica, self.model_rank = divmod(self.rank, degree)

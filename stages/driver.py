@@ -16,6 +16,8 @@ from typing import Any
 import ray
 from tqdm import tqdm
 
+from dhp.dataflow.storage import require_file
+from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.dataflow.synth import write_synthetic_dataset
 from dhp.stages.checkpoint_files import latest_valid, verify
 from dhp.stages.config import Config, save_config
@@ -30,9 +32,9 @@ def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
         return [str(synth.train_path.resolve())], [str(synth.val_path.resolve())], str(synth.out_dir.resolve())
     train = [p if "://" in p else os.path.abspath(p) for p in d.train.split(",")]
     evals = [p if "://" in p else os.path.abspath(p) for p in d.eval.split(",")] if d.eval else []
-    for p in train + evals:
-        if "://" not in p and not os.path.exists(p):
-            raise FileNotFoundError(f"annotation file not found: {p}")
+    storage = resolve_storage(d.storage)
+    for p in train + evals:  # local or s3://: a missing object stops the run here, naming its key
+        require_file(p, storage)
     root = d.image_root or os.path.dirname(train[0])
     return train, evals, root if "://" in root else os.path.abspath(root)
 
@@ -52,6 +54,9 @@ def init_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
+        from dhp.stages.rendezvous import local_ray_on_loopback
+
+        local_ray_on_loopback()  # a local run listens on 127.0.0.1 only
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
 
 
