@@ -8,7 +8,7 @@ One vision actor and one text actor, `disjoint` placement, one Ray CPU and one t
 Per scenario, one Trainer runs the same global batch (M one-sample micro-batches, really preprocessed
 from the synthetic set) first in the serial order (pipeline.max_in_flight=1), then pipelined (=2).
   vision_s / text_s   each pool alone: the summed durations of its traced calls (forward, backward,
-                      forward_backward, optimizer_step) in a step, the smaller of the serial and the
+                      forward_backward, grad_norm, optimizer_step) in a step, the smaller of the serial and the
                       pipelined step's (both are in the row). Serial is not always the faster: there the
                       two actors take turns and may share a core's caches; pipelined they contend for
                       the CPU. The smaller one is the least disturbed, and it makes ratio_to_max >= 1.
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from dhp.stages.trace import STEP_TAIL
 
 GOAL_RATIO, GOAL_SPEEDUP, GOAL_OVERHEAD_MS = 1.15, 1.3, 2.0
 MODES = (("serial", 1), ("pipelined", 2))  # (name, pipeline.max_in_flight)
@@ -168,8 +170,8 @@ def step_numbers(metrics: dict, events: list[dict], wall: tuple[float, float]) -
     for stage, name in STEP_CALLS:  # mean seconds per call
         ds = [e["end"] - e["start"] for e in events if e["stage"] == stage and e["name"] == name]
         out[f"{stage}_{name}"] = sum(ds) / max(1, len(ds))
-    # After the last forward/backward: grad norm (not traced), both optimizer steps, the round trips.
-    out["tail_s"] = wall[1] - max(e["end"] for e in events if e["name"] != "optimizer_step")
+    # After the last forward/backward: grad norms, both optimizer steps, the round trips.
+    out["tail_s"] = wall[1] - max(e["end"] for e in events if e["name"] not in STEP_TAIL)
     keys = ("step_time_s", "loss", "driver_ms_per_microbatch", "vision_busy", "text_busy", "bubble")
     return out | {k: metrics[k] for k in keys}
 
@@ -189,8 +191,10 @@ def run_mode(trainer, batch, k: int, warmup: int, steps: int) -> tuple[dict, lis
 
 
 def timeline(events: list[dict], wall: tuple[float, float], width: int = 100) -> list[str]:
-    """Two text rows (vision, text): F/B forward/backward, T text forward_backward, o optimizer, . idle."""
-    marks, span = {"forward": "F", "backward": "B", "forward_backward": "T", "optimizer_step": "o"}, wall[1] - wall[0]
+    """Two text rows (vision, text): F/B forward/backward, T text forward_backward, n grad norm, o optimizer,
+    . idle."""
+    marks = {"forward": "F", "backward": "B", "forward_backward": "T", "grad_norm": "n", "optimizer_step": "o"}
+    span = wall[1] - wall[0]
     lines = []
     for stage in ("vision", "text"):
         row = ["."] * width

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 STAGES = ("vision", "text")
+STEP_TAIL = ("grad_norm", "optimizer_step")  # per-step calls after the forward/backward phase
 
 
 @dataclass

@@ -17,6 +17,7 @@ from transformers import Qwen2_5_VLConfig
 
 from dhp.dataflow.loader import BatchLoader, GlobalBatch, MicroBatch
 from dhp.dataflow.preprocess import PreprocessSettings
+from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
 from dhp.models.export import read_meta, write_meta
 from dhp.models.weights import write_index
@@ -27,7 +28,7 @@ from dhp.stages.pools import TextPool, VisionPool, check_layout, data_parallel_s
 from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD, pipeline_schedule
 from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
-from dhp.stages.trace import busy_fractions, write_chrome_trace
+from dhp.stages.trace import STEP_TAIL, busy_fractions, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
 
 
@@ -81,6 +82,7 @@ class Trainer:
             max_pixels=d.max_pixels,
             max_seq_len=d.max_seq_len,
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
+            storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
         )
         # Pools first: their rendezvous needs every rank placed at once, while the loaders' Ray Data
         # work can wait for whatever CPU is left.
@@ -199,15 +201,15 @@ class Trainer:
     def _pipeline_stats(self, wall_start: float) -> dict[str, float]:
         """Busy fractions of the pools and the bubble over this step's forward/backward phase (trace.py).
 
-        The window runs from the first submission to the last forward/backward call's end; the optimizer
-        step (a barrier of both pools) is left out. Every actor's events are drained, so none pile up.
+        The window runs from the first submission to the last forward/backward call's end; the grad norm
+        and optimizer step (a barrier of both pools) are left out. Every actor's events are drained, so none pile up.
         """
         events = [e for evs in ray.get(
             [a.drain_events.remote(self.step + 1) for _, pool in self.pools() for a in pool.actors]
         ) for e in evs]
         if self.cfg.pipeline.trace:
             self.events += events
-        compute = [e for e in events if e["name"] != "optimizer_step"]
+        compute = [e for e in events if e["name"] not in STEP_TAIL]
         end = max((e["end"] for e in compute), default=wall_start)
         return {k: round(v, 4) for k, v in busy_fractions(compute, wall_start, end).items()}
 
