@@ -1,0 +1,126 @@
+"""`dhp train` submitted as a Ray Job with the README's `ray job submit` command, to a real Ray head.
+
+The head is started here (scripts/local_head.py): bound to 127.0.0.1 with its own ports, temp dir and
+token (token auth on), and at the end exactly that head is stopped, never `ray stop` (which would stop
+every Ray on the machine). The job is the default tiny layout (vision SP2, text TP2, pipelined) for a few
+steps; its config file exists only in the shipped working dir.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+from dhp.scripts.local_head import Listener, LocalHead, alive, start_head
+from dhp.stages.config import preset_path
+
+RAY = str(Path(sys.executable).with_name("ray"))
+STEPS = 4
+JOB_TIMEOUT_S = 300  # a loaded 2-core machine; the job itself takes about a minute
+TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+
+
+def _http_status(url: str, headers: dict[str, str]) -> int:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _ray(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([RAY, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_ray_job_submit_trains_on_a_loopback_head(tmp_path, tmp_path_factory):
+    head = start_head(tmp_path_factory.mktemp("rh"), num_cpus=2, resources={"trainer_host": 1})
+    try:
+        seen_listening = _submit_and_check(head, tmp_path)
+    finally:
+        forced = head.stop()
+    assert not alive(head.seen), f"processes of the head still running: {alive(head.seen)}"
+    assert not forced, f"needed SIGKILL after `ray start` was sent SIGTERM: {forced}"
+    # Nothing the head or its job started listens beyond the loopback interface (GCS, raylet, object
+    # manager, dashboard and its agent, runtime-env agent, Ray Client server, workers, the pools' stores).
+    exposed = sorted({(x.host, x.port, x.name) for x in seen_listening if not x.loopback})
+    assert not exposed, f"listening on a non-loopback address (host, port, process): {exposed}"
+    ports = {x.port for x in seen_listening}
+    assert {head.ports["gcs"], head.ports["dashboard"], head.ports["node_manager"]} <= ports  # the check saw them
+
+
+def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
+    jobs_url = f"{head.dashboard_url}/api/jobs/"
+    assert _http_status(jobs_url, {}) == 401  # auth is on: no token, no entry
+    assert _http_status(jobs_url, {"Authorization": "Bearer " + "0" * 64}) == 403
+
+    job_dir = tmp_path / "job"  # what --working-dir ships: the run's config, not the dhp checkout
+    job_dir.mkdir()
+    shutil.copy(preset_path("tiny"), job_dir / "my_run.yaml")
+    secret = "dhp-test-" + secrets.token_hex(12)  # stands in for a real key: must never reach logs or the run dir
+    runtime_env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                                "AWS_ACCESS_KEY_ID": "AKIADHPTEST", "AWS_SECRET_ACCESS_KEY": secret}}
+    run_dir = tmp_path / "runs" / "job"
+    overrides = [f"training.steps={STEPS}", "training.global_batch_size=4", "training.eval_every=0",
+                 "training.eval_batches=1", "data.synthetic.num=32", "data.synthetic.eval_num=4",
+                 f"data.synthetic.dir={tmp_path}/synth", f"output.dir={tmp_path}/runs", "output.name=job"]
+    sid = "dhp-test-" + secrets.token_hex(4)
+    env = head.client_env()  # RAY_ADDRESS=http://127.0.0.1:PORT, RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH
+    submit = _ray(["job", "submit", "--no-wait", "--submission-id", sid, "--working-dir", str(job_dir),
+                   "--runtime-env-json", json.dumps(runtime_env),
+                   "--entrypoint-num-cpus", "0.5", "--entrypoint-resources", json.dumps({"trainer_host": 1}),
+                   "--", "dhp", "train", "--config", "my_run.yaml", *overrides], env, tmp_path)
+    assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
+
+    client = JobSubmissionClient(head.dashboard_url, headers={"Authorization": f"Bearer {head.token()}"})
+    listening: set[Listener] = set()
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (status := client.get_job_status(sid)) not in TERMINAL and time.monotonic() < deadline:
+        listening |= set(head.listeners())  # sampled while the job's driver, actors and Ray Data workers exist
+        time.sleep(1.0)
+    logs = _ray(["job", "logs", sid], env, tmp_path)
+    text = logs.stdout
+    if status not in TERMINAL:
+        _ray(["job", "stop", sid], env, tmp_path)
+    assert status == JobStatus.SUCCEEDED, f"job {sid}: {status} after {JOB_TIMEOUT_S} s or less\n{text[-4000:]}"
+    assert logs.returncode == 0, logs.stderr[-2000:]
+    listening |= set(head.listeners())
+
+    # The driver joined this head through the RAY_ADDRESS Ray gave it (no Ray of its own), and on a pipe it
+    # prints progress lines, not a bar, then the summary.
+    assert head.gcs_address in text, text[-3000:]
+    assert "placement: shared" in text and text.count("vision rank") == 2
+    assert f"step {STEPS}/{STEPS} loss" in text and '"final_loss"' in text, text[-3000:]
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["training"]["steps"] == STEPS and saved["vision"]["parallelism"] == "sequence"
+
+    info = client.get_job_info(sid)
+    # What the README warns about: env_vars are stored with the job, readable by anyone holding the token...
+    assert info.runtime_env["env_vars"]["AWS_SECRET_ACCESS_KEY"] == secret
+    # ...but neither they nor the token end up in the job's output or the run directory.
+    texts = [p for p in run_dir.rglob("*") if p.suffix in (".json", ".jsonl", ".yaml", ".txt", ".log")]
+    assert len(texts) >= 3
+    for where, content in [("job logs", text), *((str(p), p.read_text(errors="replace")) for p in texts)]:
+        assert secret not in content and head.token() not in content, f"a credential leaked into {where}"
+
+    # The client must say RAY_AUTH_MODE=token: holding the token is not enough.
+    no_mode = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+    refused = _ray(["job", "status", sid], no_mode, tmp_path)
+    assert refused.returncode != 0 and "Authentication" in refused.stdout + refused.stderr
+    return listening
+
