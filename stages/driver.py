@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import ray
-from tqdm import tqdm
 
-from dhp.dataflow.storage import require_file
-from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.dataflow.synth import write_synthetic_dataset
+from dhp.stages import run_log
 from dhp.stages.checkpoint_files import latest_valid, verify
 from dhp.stages.config import Config, save_config
 
@@ -30,9 +27,14 @@ def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
         s = d.synthetic
         synth = write_synthetic_dataset(s.dir, s.num, seed=s.seed, eval_num=s.eval_num)
         return [str(synth.train_path.resolve())], [str(synth.val_path.resolve())], str(synth.out_dir.resolve())
-    train = [p if "://" in p else os.path.abspath(p) for p in d.train.split(",")]
-    evals = [p if "://" in p else os.path.abspath(p) for p in d.eval.split(",")] if d.eval else []
-    storage = resolve_storage(d.storage)
+    from dhp.dataflow.storage import filesystem_of_all, require_file, resolve
+
+    train = [p if "://" in p else os.path.abspath(p) for p in map(str.strip, d.train.split(",")) if p]
+    evals = [p if "://" in p else os.path.abspath(p) for p in map(str.strip, d.eval.split(",")) if p]
+    storage = resolve(d.storage)
+    for paths in (train, evals):
+        if paths:
+            filesystem_of_all(paths, storage)  # one Ray Data read per split: one kind of storage each
     for p in train + evals:  # local or s3://: a missing object stops the run here, naming its key
         require_file(p, storage)
     root = d.image_root or os.path.dirname(train[0])
@@ -161,34 +163,38 @@ def _loop(cfg: Config, trainer, run_dir: Path, after_fault: bool = False) -> dic
     if resumed is not None:
         first = trainer.restore_checkpoint(resumed) + 1
         print(f"resumed from {resumed} (step {first - 1})", flush=True)
+    peak = run_log.peak_of(cfg, trainer)  # before the first step: a CPU peak measured during one reads low
+    if not after_fault:
+        print(run_log.startup_summary(cfg, run_dir, first, peak), flush=True)
     metrics_path, quarantine_path = run_dir / "metrics.jsonl", run_dir / "quarantine.jsonl"
     kept, kept_quarantine = _lines_before(metrics_path, first), _lines_before(quarantine_path, first)
     history = [json.loads(line)["loss"] for line in kept]
     pending = trainer.next_batch()
+    board = run_dir / "tensorboard" if cfg.output.tensorboard else None
     with open(metrics_path, "w") as metrics, open(quarantine_path, "w") as quarantine, \
-            _progress(steps, first - 1) as bar:
+            run_log.Progress(steps, first - 1, every=t.log_every * 10) as bar, run_log.TensorBoard(board, first) as tb:
         metrics.writelines(line + "\n" for line in kept)  # the steps before the resume point, as they were
         quarantine.writelines(line + "\n" for line in kept_quarantine)
         for step in range(first, steps + 1):
+            waited = time.perf_counter()  # the stages idle while the driver waits for the next global batch
             batches, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
+            waited = time.perf_counter() - waited
             for b in batches:  # every skipped record with its source location (file:line) and reason
                 quarantine.writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)
             quarantine.flush()
-            record = {"step": step, **trainer.train_step(batches), "time": time.time()}
+            stats = trainer.train_step(batches)
+            record = {"step": step, **stats, **run_log.throughput(batches, trainer.model_config,
+                                                                   stats["step_time_s"], peak.flops)}
+            record.update(data_wait_s=round(waited, 4), time=time.time())
             if step == steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+            tb.log(record)
             if step == steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
                 trainer.save_checkpoint(ckpt_root, batches)
             history.append(record["loss"])
-            bar.update(1)
-            busy = f"{record['vision_busy']:.2f}/{record['text_busy']:.2f}"
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", busy_vt=busy,
-                            bubble=f"{record['bubble']:.2f}")
-            if not bar.interactive and (step % max(1, t.log_every * 10) == 0 or step == steps):
-                print(f"step {step}/{steps} loss {record['loss']:.4f} tok/s {record['tokens_per_s']:.0f} "
-                      f"busy vision/text {busy} bubble {record['bubble']:.2f}", flush=True)
+            bar.update(record)
     if cfg.pipeline.trace:
         trainer.write_trace(run_dir / "trace.json")
     if cfg.output.save_final_checkpoint:
@@ -205,23 +211,3 @@ def _loop(cfg: Config, trainer, run_dir: Path, after_fault: bool = False) -> dic
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-class _progress:
-    """tqdm on a terminal; on a pipe (a Ray Job's log) the loop prints periodic lines instead."""
-
-    def __init__(self, total: int, done: int = 0):
-        self.interactive = sys.stderr.isatty()
-        self.bar = tqdm(total=total, initial=done, desc="train", unit="step", disable=not self.interactive)
-
-    def __enter__(self) -> _progress:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.bar.close()
-
-    def update(self, n: int) -> None:
-        self.bar.update(n)
-
-    def set_postfix(self, **kw: Any) -> None:
-        self.bar.set_postfix(**kw)

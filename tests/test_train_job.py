@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import yaml
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "grad_norm", "vision_busy", "text_busy",
-            "bubble", "driver_ms_per_microbatch"}
+            "bubble", "driver_ms_per_microbatch", "vision_tokens", "text_tokens", "model_tflops_per_s", "mfu"}
 
 
 def test_default_run_learns_and_writes_its_outputs(tmp_path):
@@ -34,6 +35,7 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
         assert REQUIRED <= set(r) and all(math.isfinite(r[k]) for k in REQUIRED)
         assert r["tokens"] > 0 and r["step_time_s"] > 0
         assert 0 < r["vision_busy"] <= 1 and 0 < r["text_busy"] <= 1 and 0 <= r["bubble"] < 1
+        assert r["text_tokens"] == r["tokens"] and r["vision_tokens"] > 0 and 0 < r["mfu"] < 1
     first = records[0]["loss"]
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last <= first / 2, f"train loss {first:.3f} -> {last:.3f}: did not fall by half"
@@ -56,8 +58,27 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "checkpoint")
     assert model.config.text_config.hidden_size == 64
-    # Not on a terminal (as in a Ray Job): periodic progress lines instead of a bar.
-    assert "step 100/100 loss" in proc.stdout
+    # Not on a terminal (as in a Ray Job): periodic progress lines instead of a bar, with MFU and an ETA.
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{s}/100" for s in (1, *range(10, 101, 10))]
+    assert all(" mfu " in line and " eta " in line for line in lines) and "eta 0:00:00" in lines[-1]
+    assert proc.stdout.count("layout: vision sequence x2") == 1 and proc.stdout.count("peak for MFU:") == 1
+    # TensorBoard holds the same per-step numbers as metrics.jsonl.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    loss = board.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 101))
+    assert all(math.isclose(e.value, r["loss"], rel_tol=1e-6) for e, r in zip(loss, records))
+    assert [e.step for e in board.Scalars("eval/loss")] == [50, 100]
+    assert [e.step for e in board.Scalars("throughput/mfu")] == list(range(1, 101))
+    # `dhp report` on the real run: plots and a table.
+    report = subprocess.run([sys.executable, "-m", "dhp.stages.cli", "report", str(run)], capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert re.search(r"^steps +100 \(step 1 to 100\)$", report.stdout, re.M) and "mean MFU" in report.stdout
+    assert {p.name for p in (run / "report").iterdir()} == {"loss.png", "throughput.png", "pipeline.png"}
 
 
 def test_hybrid_layout_runs_from_the_command_line(tmp_path):
