@@ -48,6 +48,12 @@ def test_resumed_run_equals_uninterrupted_run(ray_session, tmp_path):
     assert resumed["resumed_from"].endswith(f"step_{K:06d}") and full["resumed_from"] is None
 
     assert _losses(resumed_run) == _losses(run)  # every step, bit for bit, including those after K
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(resumed_run / "tensorboard"))
+    board.Reload()  # the copied events of steps 1-6 plus the resumed ones from K+1: each step once (purge_step)
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == \
+        [(s, pytest.approx(v)) for s, v in sorted(_losses(run).items())]
     a, b = (r / "checkpoints" / f"step_{STEPS:06d}" for r in (run, resumed_run))
     for f in sorted(a.glob("*.safetensors")):
         x, y = load_file(f), load_file(b / f.name)
