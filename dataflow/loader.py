@@ -5,6 +5,11 @@ stateful `Preprocessor` on `data.preprocess_workers` actors). A `BatchLoader` ac
 packs each global batch into token-budget micro-batches and `ray.put`s the vision part and the text part
 separately, so the driver receives only object references and scalar metadata (invariant 3): the
 vision pool is handed the vision refs, the text pool the text refs.
+
+Nothing materializes a dataset: `iter_rows` streams, so memory is Ray Data's pipeline buffers plus the
+one global batch being packed here, whatever the dataset's size. The one unit held whole is an
+annotation file (its records are shuffled together), so very large annotation sets are best split
+into several files (`data.train` takes a comma-separated list).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+from dhp.dataflow.storage import filesystem_of_all, scheme_of
 
 MAX_SKIP_EXAMPLES = 50  # examples in the run summary; every skipped record goes to RUN_DIR/quarantine.jsonl
 
@@ -70,14 +76,17 @@ def split_for_ranks(
     return [{"pixel_values": plan.shard(vision["pixel_values"], r), "image_grid_thw": grid} for r in range(sp)]
 
 
-def split_records(row: dict[str, Any], seed: int | None, replica: int = 0, num_replicas: int = 1) -> list[dict]:
+def split_records(
+    row: dict[str, Any], seed: int | None, replica: int = 0, num_replicas: int = 1, prefix: str = ""
+) -> list[dict]:
     """One annotation file (JSONL or a JSON array) -> one row per record, its JSON kept as text.
 
     Records stay text until the preprocessor parses them, so one bad line is one counted skip rather
     than a failed read. With a seed, the records of the file are permuted (per-epoch shuffle); then
     data-parallel replica r keeps every num_replicas-th record starting at r: disjoint streams.
+    `prefix` ("s3://") turns the filesystem's path back into the URI the user wrote, for `source`.
     """
-    path, text = row["path"], row["bytes"].decode("utf-8", errors="replace")
+    path, text = prefix + row["path"], row["bytes"].decode("utf-8", errors="replace")
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -103,8 +112,12 @@ def build_dataset(
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-epoch execution plans are noise here
     # Small CPU requests: Ray Data's default of one CPU per task would wait forever on a small machine
     # whose CPUs are held by the stage actors.
-    ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0.05)
-    split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas}
+    # Local files and s3:// objects alike: one pyarrow filesystem, which Ray pickles to the read tasks
+    # together with the driver-resolved endpoint, retry policy and credentials (storage.py).
+    fs, fs_paths = filesystem_of_all(paths, settings.storage)
+    ds = ray.data.read_binary_files(fs_paths, filesystem=fs, include_paths=True, num_cpus=0.05)
+    prefix = f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else ""
+    split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix}
     ds = ds.flat_map(split_records, fn_kwargs=split_args, num_cpus=0.05)
     return ds.map(
         Preprocessor,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
+
+from dhp.dataflow.storage import filesystem, is_uri, one_line, resolve, scheme_of
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
@@ -49,6 +50,7 @@ class PreprocessSettings:
     max_pixels: int
     max_seq_len: int
     tokenizer_path: str | None = None
+    storage: Any = None  # storage.Storage (resolved in the driver) or StorageConfig: how s3:// is reached
 
 
 def encode_sample(sample: dict[str, np.ndarray]) -> bytes:
@@ -111,10 +113,11 @@ class Preprocessor:
         self.merge_unit = vc.spatial_merge_size**2
         self.pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.im_end_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        from pyarrow import fs as pafs
-
-        root = settings.image_root
-        self.fs, self.root = pafs.FileSystem.from_uri(root if "://" in root else os.path.abspath(root))
+        # The same filesystem code as the annotation reads; one per URI scheme, made once per worker.
+        self.storage = resolve(settings.storage)
+        self.fs, self.root = filesystem(settings.image_root, self.storage)
+        self.root_scheme = scheme_of(settings.image_root)
+        self.filesystems: dict[str, Any] = {self.root_scheme: self.fs}
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -157,12 +160,26 @@ class Preprocessor:
         }
 
     def load_image(self, rel_path: str) -> Image.Image:
-        path = rel_path if "://" in rel_path else f"{self.root.rstrip('/')}/{rel_path.lstrip('/')}"
+        """Bytes of a path relative to `image_root`, or of an absolute URI, through the pyarrow filesystem.
+
+        Skip details name the full location (s3://bucket/key or the local path), which is what a person
+        needs to find the object; transient S3 errors were already retried by the filesystem.
+        """
+        if is_uri(rel_path):
+            scheme = scheme_of(rel_path)
+            if scheme not in self.filesystems:
+                self.filesystems[scheme] = filesystem(rel_path, self.storage)[0]
+            fs, path, where = self.filesystems[scheme], rel_path.split("://", 1)[1], rel_path
+        else:
+            fs, path = self.fs, f"{self.root.rstrip('/')}/{rel_path.lstrip('/')}"
+            where = f"{self.root_scheme}://{path}" if self.root_scheme else path
         try:
-            with self.fs.open_input_file(path) as f:
+            with fs.open_input_stream(path) as f:
                 data = f.read()
-        except (FileNotFoundError, OSError) as e:
-            raise SkipSample("missing_image", f"{rel_path}: {e}") from None
+        except FileNotFoundError:
+            raise SkipSample("missing_image", f"{where}: not found") from None
+        except OSError as e:  # a folder, no permission, or a storage error that outlived the retries
+            raise SkipSample("unreadable_image", f"{where}: {one_line(e)}") from None
         try:
             image = Image.open(io.BytesIO(data))
             image.load()

@@ -118,7 +118,8 @@ def _s3_options(s: Storage) -> dict[str, Any]:
         "anonymous": s.anonymous,
         "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=s.max_attempts),
         "connect_timeout": s.connect_timeout_s,
-        "request_timeout": s.request_timeout_s,
+        # The SDK's curl client counts a stalled request in whole seconds; below 1 it would never time out.
+        "request_timeout": max(1.0, s.request_timeout_s),
         "force_virtual_addressing": s.addressing_style == "virtual",
     }
     if s.region:
@@ -162,7 +163,8 @@ def filesystem_of_all(uris: list[str], storage: Any = None) -> tuple[pafs.FileSy
     """One filesystem for several files (a Ray Data read takes one); they must share the URI scheme."""
     schemes = {scheme_of(u) or "local" for u in uris}
     if len(schemes) != 1:
-        raise ValueError(f"annotation paths mix storage kinds ({', '.join(sorted(schemes))}); use one kind")
+        raise _config_error(f"data.train/data.eval: one list mixes storage kinds ({', '.join(sorted(schemes))}); "
+                            "a split is read from one kind of storage")
     fs = filesystem(uris[0], storage)[0]
     return fs, [filesystem(u, storage)[1] for u in uris]
 

@@ -116,3 +116,55 @@ def parity_setup(tmp_path_factory, parity_data):
     lines = (parity_data / "train.jsonl").read_text().splitlines()
     samples = [decode_sample(pre({"source": "t", "record": line})["sample"]) for line in lines]
     return ref, ckpt, samples
+
+
+class S3Endpoint:
+    """A running S3 HTTP endpoint and the fake credentials the test process holds for it."""
+
+    def __init__(self, url: str, access_key: str, secret_key: str):
+        self.url, self.access_key, self.secret_key = url, access_key, secret_key
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1")
+
+    def upload(self, local_dir: Path, bucket: str, prefix: str) -> None:
+        """Every file under `local_dir` to s3://bucket/prefix/<relative path>."""
+        client = self.client()
+        if bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+            client.create_bucket(Bucket=bucket)
+        for path in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local_dir).as_posix()}")
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1; random fake keys in this process's environment only.
+
+    Module-scoped, so the keys are set after the session's `ray.init`: Ray workers never inherit them,
+    and a read in a worker works only if the driver's credentials travel with the filesystem object.
+    The user's own AWS files and variables are masked so they can neither leak in nor be used.
+    """
+    import secrets
+
+    from moto.server import ThreadedMotoServer
+
+    endpoint = S3Endpoint("", "AKIA" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30))
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [k for k in os.environ if k.startswith("AWS_")]:
+            mp.delenv(name)
+        mp.setenv("AWS_ACCESS_KEY_ID", endpoint.access_key)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", endpoint.secret_key)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+        mp.setenv("AWS_CONFIG_FILE", os.devnull)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            endpoint.url = f"http://{host}:{port}"
+            yield endpoint
+        finally:
+            server.stop()
