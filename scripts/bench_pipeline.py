@@ -6,7 +6,7 @@ One vision actor and one text actor, `disjoint` placement, one Ray CPU and one t
 `balanced` (Tv ~ Tt), `vision_heavy` (Tv ~ 3 Tt) and `text_heavy` (Tt ~ 3 Tv).
 
 Per scenario, one Trainer runs the same global batch (M one-sample micro-batches, really preprocessed
-from the synthetic set) first in the serial order (pipeline.max_in_flight=1), then pipelined (=2).
+from the synthetic set) first in the serial order (pipeline.max_in_flight=1), then pipelined (the default, 3).
   vision_s / text_s   each pool alone: the summed durations of its traced calls (forward, backward,
                       forward_backward, grad_norm, optimizer_step) in a step, the smaller of the serial and the
                       pipelined step's (both are in the row). Serial is not always the faster: there the
@@ -34,17 +34,18 @@ from pathlib import Path
 
 import torch
 
+from dhp.stages.config import PipelineConfig
 from dhp.stages.trace import STEP_TAIL
 
 GOAL_RATIO, GOAL_SPEEDUP, GOAL_OVERHEAD_MS = 1.15, 1.3, 2.0
-MODES = (("serial", 1), ("pipelined", 2))  # (name, pipeline.max_in_flight)
+MODES = (("serial", 1), ("pipelined", PipelineConfig().max_in_flight))  # (name, max_in_flight): the default
 SCENARIOS = ("balanced", "vision_heavy", "text_heavy")
 PANELS: list[tuple[str, list[dict], tuple[float, float]]] = []  # one measured step per scenario and mode
 PAD_ID = 151643  # <|endoftext|>, as the loader pads
-# M=12 makes fill + drain ~1/M of a step; the unit puts a light pool at ~30 ms per micro-batch, far above
+# M=16 makes fill + drain ~1/M of a step; the unit puts a light pool at ~30 ms per micro-batch, far above
 # the ~1 ms a Ray call costs. Quick (the test): 3 micro-batches, small models, depth capped, < 60 s.
 # `calibrate`: the two depths timed; far apart, since a text layer costs ~5 ms against a ~100 ms floor.
-FULL = dict(microbatches=12, steps=5, warmup=2, unit_s=0.03, cap=48, calibrate=(1, 9), vision_hidden=128,
+FULL = dict(microbatches=16, steps=5, warmup=2, unit_s=0.03, cap=48, calibrate=(1, 9), vision_hidden=128,
             vision_inter=512, text_inter=1024)
 QUICK = dict(microbatches=3, steps=2, warmup=1, unit_s=0.005, cap=4, calibrate=(1, 3), vision_hidden=64,
              vision_inter=128, text_inter=176)
@@ -325,6 +326,8 @@ def main(args=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)  # the traces are written there as the scenarios finish
     import ray
 
+    from dhp.stages.rendezvous import local_ray_on_loopback
+
     own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session fixture) is reused, left running
     rows, texts = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -335,6 +338,7 @@ def main(args=None) -> int:
         if own_ray:
             # 3 logical CPUs on 2 cores: the trainer's resource check also reserves CPU for data loaders,
             # which are not started here (the batch is built in this process); the pools take 1 CPU each.
+            local_ray_on_loopback()
             ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
         try:
             batch = global_batch(samples)

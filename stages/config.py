@@ -102,7 +102,7 @@ class TrainingConfig:
 
 @dataclass
 class PipelineConfig:
-    max_in_flight: int = 2  # vision forwards that may run ahead of the text stage (1 = serial, no overlap)
+    max_in_flight: int = 3  # vision forwards that may run ahead of the text stage (1 = serial, no overlap)
     placement: Literal["shared", "disjoint"] = "shared"  # shared: vision+text actors share bundles (GPUs)
     trace: bool = False  # write RUN_DIR/trace.json: every stage call on a timeline (chrome://tracing)
 

@@ -77,7 +77,7 @@ def test_tiny_is_the_default():
     # the mission's layout: vision sequence parallel 2, text tensor parallel 2, pipelined
     assert (cfg.vision.parallelism, cfg.vision.num_actors, cfg.vision.degree) == ("sequence", 2, 2)
     assert (cfg.text.parallelism, cfg.text.num_actors, cfg.text.degree) == ("tensor", 2, 2)
-    assert cfg.pipeline.max_in_flight == 2
+    assert cfg.pipeline.max_in_flight == 3
     assert cfg.vision.num_gpus_per_actor == 0.0 and cfg.text.num_gpus_per_actor == 0.0  # CPU only
     assert cfg.data.train == ""  # the synthetic set
 
