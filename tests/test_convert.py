@@ -273,44 +273,31 @@ def test_laion_auto_detection_error_lists_columns(tmp_path, capsys, fmt):
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_coco_and_laion_on_s3(coco, laion, tmp_path, capsys, monkeypatch):
+def test_coco_and_laion_on_s3(coco, laion, tmp_path, capsys, monkeypatch, s3_endpoint):
     """Same records from s3:// inputs, image directory and outputs as from local files."""
-    import boto3
-    from moto.server import ThreadedMotoServer
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint.url)  # the converters read the endpoint from the environment
+    s3 = s3_endpoint.client()
+    s3_endpoint.upload(coco, "data", "coco")
+    s3.upload_file(str(laion / "pop.parquet"), "data", "laion/pop.parquet")
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
-                     "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
-            monkeypatch.setenv(k, v)
-        s3 = boto3.client("s3")
-        s3.create_bucket(Bucket="data")
-        for path in [*coco.rglob("*.png"), coco / "captions.json"]:
-            s3.upload_file(str(path), "data", f"coco/{path.relative_to(coco).as_posix()}")
-        s3.upload_file(str(laion / "pop.parquet"), "data", "laion/pop.parquet")
+    rc, stdout, stderr = run(capsys, "convert-coco", "--captions", "s3://data/coco/captions.json",
+                             "--images", "s3://data/coco/images", "--out", "s3://data/out/coco.jsonl")
+    assert rc == 0, stderr
+    assert summary(stdout) == (3, COCO_SKIPS)
+    rc, stdout, stderr = run(capsys, "convert-laion-pop", "--in", "s3://data/laion/pop.parquet",
+                             "--out", "s3://data/out/pop.jsonl")
+    assert rc == 0 and summary(stdout)[0] == 2, stderr
+    body = {k: s3.get_object(Bucket="data", Key=f"out/{k}.jsonl")["Body"].read().decode() for k in ("coco", "pop")}
+    assert [json.loads(x) for x in body["coco"].splitlines()] == COCO_FIRST
+    assert [json.loads(x) for x in body["pop"].splitlines()] == [rec("000000001", "A cat on a mat."),
+                                                                 rec("000000002", "A dog.")]
+    # pyarrow keeps an "out/" directory marker after deleting the temporary object; no temporary left
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="data", Prefix="out/")["Contents"])
+    assert [k for k in keys if not k.endswith("/")] == ["out/coco.jsonl", "out/pop.jsonl"]
 
-        rc, stdout, stderr = run(capsys, "convert-coco", "--captions", "s3://data/coco/captions.json",
-                                 "--images", "s3://data/coco/images", "--out", "s3://data/out/coco.jsonl")
-        assert rc == 0, stderr
-        assert summary(stdout) == (3, COCO_SKIPS)
-        rc, stdout, stderr = run(capsys, "convert-laion-pop", "--in", "s3://data/laion/pop.parquet",
-                                 "--out", "s3://data/out/pop.jsonl")
-        assert rc == 0 and summary(stdout)[0] == 2, stderr
-        body = {k: s3.get_object(Bucket="data", Key=f"out/{k}.jsonl")["Body"].read().decode() for k in ("coco", "pop")}
-        assert [json.loads(x) for x in body["coco"].splitlines()] == COCO_FIRST
-        assert [json.loads(x) for x in body["pop"].splitlines()] == [rec("000000001", "A cat on a mat."),
-                                                                     rec("000000002", "A dog.")]
-        # pyarrow keeps an "out/" directory marker after deleting the temporary object; no temporary left
-        keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="data", Prefix="out/")["Contents"])
-        assert [k for k in keys if not k.endswith("/")] == ["out/coco.jsonl", "out/pop.jsonl"]
-
-        rc, _, stderr = run(capsys, "convert-coco", "--captions", "s3://data/coco/captions.json",
-                            "--images", "s3://data/coco/nothing", "--out", "s3://data/out/x.jsonl")
-        assert rc == 2 and "images directory not found: s3://data/coco/nothing" in stderr
-    finally:
-        server.stop()
+    rc, _, stderr = run(capsys, "convert-coco", "--captions", "s3://data/coco/captions.json",
+                        "--images", "s3://data/coco/nothing", "--out", "s3://data/out/x.jsonl")
+    assert rc == 2 and "images directory not found: s3://data/coco/nothing" in stderr
 
 
 def test_placeholder_matches_preprocess():

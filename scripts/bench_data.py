@@ -1,0 +1,260 @@
+"""Input pipeline throughput and memory, and how long training waits for data (`dhp bench data`).
+
+On the synthetic captioning set (real PNGs, the real tokenizer and image processor):
+  baseline_samples_per_s   one process, a plain loop doing the same decode / smart_resize / patchify /
+                           chat template / mRoPE (`Preprocessor.process` per record).
+  ray_data_samples_per_s   dhp's Ray Data pipeline (`loader.build_dataset`: read, split records, a pool of
+                           `workers` Preprocessor actors), local files; `ray_data_s3_samples_per_s` the same
+                           files from s3:// on a real S3 HTTP endpoint (moto's server, 127.0.0.1). Steady
+                           state: the records of the `repeat`x stream beyond the 1x one, over the extra time
+                           (start-up cancels; `ray_data_startup_s` is reported on its own).
+  *_vision_tokens_per_s    the same in merged vision tokens (what the text stage receives).
+  memory                   the stream re-run over `repeat`x more records with the object store capped at
+                           `object_store_mb`: peak memory (PSS of the Ray processes and this one) stays
+                           flat while the bytes streamed grow past the object store many times over.
+  data_wait_fraction       a real tiny `dhp train` run: time the driver waited for the next global batch /
+                           (wait + step time), over the steps after the first (goal <= 5 %).
+Writes one JSON row and prints a short table. Timings are this machine's (2 cores): pipeline workers and the
+baseline share them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+GOAL_WAIT = 0.05
+FULL = dict(samples=192, repeat=4, workers=2, object_store_mb=80, train_steps=30)
+QUICK = dict(samples=12, repeat=2, workers=1, object_store_mb=80, train_steps=4)
+
+
+class PeakMemory:
+    """Peak summed PSS (proportional set size: shared pages split between their users, so the object store's
+    shared memory is counted once) of this process and its descendants, sampled every `period_s`."""
+
+    def __init__(self, period_s: float = 0.2):
+        self.period_s, self.peak, self._stop = period_s, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_pss(os.getpid()))
+            self._stop.wait(self.period_s)
+
+
+def tree_pss(root: int) -> int:
+    """Bytes of PSS summed over `root` and its descendants (Linux /proc)."""
+    from dhp.scripts.local_head import process_tree
+
+    total = 0
+    for pid in process_tree(root):
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def _settings(root: str, storage: Any = None):
+    from dhp.dataflow.preprocess import PreprocessSettings
+
+    return PreprocessSettings(image_root=root, min_pixels=3136, max_pixels=50176, max_seq_len=1024, storage=storage)
+
+
+def _model_config():
+    from dhp.models.architectures import architecture_config
+
+    return architecture_config("tiny")
+
+
+def baseline(train: Path, root: str) -> dict[str, float]:
+    """The plain single-process loop over the same records."""
+    from dhp.dataflow.preprocess import Preprocessor, SkipSample
+
+    pre = Preprocessor(_settings(root), _model_config())
+    lines = [line for line in train.read_text().splitlines() if line.strip()]
+    start, n, vision = time.perf_counter(), 0, 0
+    for line in lines:
+        try:
+            sample = pre.process(line)
+        except SkipSample:
+            continue
+        n += 1
+        vision += int(sample["image_grid_thw"].prod(-1).sum()) // pre.merge_unit
+    elapsed = time.perf_counter() - start
+    return {"samples_per_s": n / elapsed, "vision_tokens_per_s": vision / elapsed, "samples": n}
+
+
+def ray_data(paths: list[str], root: str, workers: int, storage: Any = None) -> dict[str, float]:
+    """dhp's pipeline streamed to the end: seconds from the start (actor start-up included), rows, bytes."""
+    from dhp.dataflow.loader import build_dataset
+    from dhp.dataflow.preprocess import decode_sample
+
+    start = time.perf_counter()
+    ds = build_dataset(paths, _settings(root, storage), _model_config(), workers=workers, num_cpus=0.5, seed=None)
+    n, vision, streamed = 0, 0, 0
+    for row in ds.iter_rows():
+        if row["error"]:
+            continue
+        n += 1
+        streamed += len(row["sample"])
+        vision += int(decode_sample(row["sample"])["image_grid_thw"].prod(-1).sum()) // 4
+    return {"seconds": time.perf_counter() - start, "samples": n, "vision_tokens": vision, "streamed_bytes": streamed}
+
+
+def steady_rate(short: dict[str, float], long: dict[str, float]) -> dict[str, float]:
+    """Throughput of the records the long stream has beyond the short one: start-up (Ray Data's actors,
+    the first block's latency) is in both runs and cancels; a one-file stream arrives in a few large
+    blocks, so timing from the first row would leave most of the work out."""
+    dt, extra = max(long["seconds"] - short["seconds"], 1e-9), long["samples"] - short["samples"]
+    return {"samples_per_s": extra / dt,
+            "vision_tokens_per_s": (long["vision_tokens"] - short["vision_tokens"]) / dt,
+            "startup_s": max(0.0, short["seconds"] - dt * short["samples"] / max(extra, 1))}
+
+
+def repeated(train: Path, times: int, out: Path) -> Path:
+    """The annotation file `times` over (same images): a longer stream of the same work."""
+    text = train.read_text()
+    out.write_text(text * times)
+    return out
+
+
+def upload(local_dir: Path, endpoint: str, bucket: str) -> Any:
+    """The synthetic set into s3://bucket/synth (boto3, installed with moto); returns the resolved storage."""
+    import boto3
+
+    from dhp.dataflow.storage import resolve
+    from dhp.stages.config import StorageConfig
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"synth/{path.relative_to(local_dir).as_posix()}")
+    return resolve(StorageConfig(endpoint_url=endpoint, region="us-east-1", addressing_style="path"))
+
+
+def upload_file(path: Path, endpoint: str, bucket: str, key: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").upload_file(str(path), bucket, key)
+
+
+def training_wait(data_dir: Path, out_dir: Path, steps: int) -> dict[str, float]:
+    """A real tiny `dhp train` (the default layout): the fraction of step time spent waiting for data."""
+    from dhp.stages.config import load_config
+    from dhp.stages.driver import train
+
+    cfg = load_config("tiny", [f"training.steps={steps}", "training.eval_every=0", "training.eval_batches=1",
+                               f"data.synthetic.dir={data_dir}", f"output.dir={out_dir}", "output.name=run",
+                               "output.save_final_checkpoint=false", "output.tensorboard=false"])
+    train(cfg)
+    rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    wait = sum(r["data_wait_s"] for r in rows)
+    busy = sum(r["step_time_s"] for r in rows)
+    return {"data_wait_fraction": wait / max(wait + busy, 1e-9), "train_steps_measured": len(rows),
+            "median_step_s": statistics.median(r["step_time_s"] for r in rows) if rows else 0.0}
+
+
+def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
+    import ray
+    from moto.server import ThreadedMotoServer
+
+    from dhp.dataflow.synth import write_synthetic_dataset
+    from dhp.stages.rendezvous import local_ray_on_loopback
+
+    synth = write_synthetic_dataset(work / "synth", sizes["samples"], seed=0, eval_num=0)
+    train, root = synth.train_path, str(synth.out_dir)
+    row: dict[str, Any] = {"samples": sizes["samples"], "workers": sizes["workers"]}
+    base = baseline(train, root)
+    row.update(baseline_samples_per_s=base["samples_per_s"], baseline_vision_tokens_per_s=base["vision_tokens_per_s"])
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # moto accepts any keys; set before resolve()
+        os.environ.setdefault(key, "bench")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server would log every request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    local_ray_on_loopback()
+    ray.init(num_cpus=2, object_store_memory=sizes["object_store_mb"] << 20, include_dashboard=False,
+             log_to_driver=False)
+    try:
+        host, port = server.get_host_and_port()
+        storage = upload(synth.out_dir, f"http://{host}:{port}", "bench")
+        big = repeated(train, sizes["repeat"], work / "repeated.jsonl")
+        upload_file(big, f"http://{host}:{port}", "bench", "synth/repeated.jsonl")
+        memory, runs = [], {}
+        for path in (train, big):  # local: throughput, and peak memory against the stream's length
+            with PeakMemory() as peak:
+                runs[path] = ray_data([str(path)], root, sizes["workers"])
+            memory.append({"records": runs[path]["samples"], "streamed_mb": runs[path]["streamed_bytes"] / 2**20,
+                           "peak_pss_mb": peak.peak / 2**20})
+        local = steady_rate(runs[train], runs[big])
+        s3 = steady_rate(*(ray_data([f"s3://bench/synth/{p.name}"], "s3://bench/synth", sizes["workers"], storage)
+                           for p in (train, big)))
+        row.update(ray_data_samples_per_s=local["samples_per_s"], ray_data_vision_tokens_per_s=local[
+            "vision_tokens_per_s"], ray_data_startup_s=local["startup_s"], ray_data_s3_samples_per_s=s3[
+            "samples_per_s"], ray_data_s3_vision_tokens_per_s=s3["vision_tokens_per_s"],
+            object_store_mb=sizes["object_store_mb"], memory=memory,
+            streamed_over_object_store=memory[-1]["streamed_mb"] / sizes["object_store_mb"],
+            peak_growth=memory[-1]["peak_pss_mb"] / max(memory[0]["peak_pss_mb"], 1e-9))
+    finally:
+        ray.shutdown()
+        server.stop()
+    row.update(training_wait(work / "synth", work / "runs", sizes["train_steps"]))
+    row["speedup_over_baseline"] = row["ray_data_samples_per_s"] / row["baseline_samples_per_s"]
+    row["goal"] = {"data_wait_fraction": row["data_wait_fraction"] <= GOAL_WAIT}
+    return row
+
+
+def table(row: dict[str, Any]) -> str:
+    lines = [f"{'pipeline':28}{'samples/s':>10}{'vision tok/s':>14}",
+             f"{'plain loop (1 process)':28}{row['baseline_samples_per_s']:10.1f}"
+             f"{row['baseline_vision_tokens_per_s']:14.0f}",
+             f"{'Ray Data, local files':28}{row['ray_data_samples_per_s']:10.1f}"
+             f"{row['ray_data_vision_tokens_per_s']:14.0f}",
+             f"{'Ray Data, s3:// (moto)':28}{row['ray_data_s3_samples_per_s']:10.1f}"
+             f"{row['ray_data_s3_vision_tokens_per_s']:14.0f}", ""]
+    for m in row["memory"]:
+        lines.append(f"streamed {m['records']:5d} records = {m['streamed_mb']:7.1f} MiB through a "
+                     f"{row['object_store_mb']} MiB object store: peak PSS {m['peak_pss_mb']:7.1f} MiB")
+    lines.append(f"training waited for data {row['data_wait_fraction']:.1%} of step time "
+                 f"(goal <= {GOAL_WAIT:.0%}) over {row['train_steps_measured']} steps")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        p = argparse.ArgumentParser(prog="bench_data")
+        p.add_argument("--json", default=None)
+        p.add_argument("--quick", action="store_true")
+        args = p.parse_args()
+    sizes = QUICK if args.quick else FULL
+    with tempfile.TemporaryDirectory(prefix="dhp-bench-data-") as tmp:
+        row = run(sizes, Path(tmp))
+    print(table(row))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([row], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

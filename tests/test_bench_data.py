@@ -1,0 +1,24 @@
+"""`dhp bench data --quick` runs end to end and writes a well-formed row (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from dhp.stages.cli import main
+
+
+def test_bench_data_quick_writes_its_row(tmp_path, capsys):
+    out = tmp_path / "data.json"
+    assert main(["bench", "data", "--quick", "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())
+    for key in ("ray_data_samples_per_s", "baseline_samples_per_s", "ray_data_s3_samples_per_s",
+                "ray_data_vision_tokens_per_s", "baseline_vision_tokens_per_s"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert 0.0 <= row["data_wait_fraction"] < 1.0 and row["train_steps_measured"] == 3
+    small, big = row["memory"]
+    assert big["records"] == 2 * small["records"] > 0  # the repeated stream really was longer
+    assert big["streamed_mb"] > small["streamed_mb"] > 0 and small["peak_pss_mb"] > 0
+    assert isinstance(row["goal"]["data_wait_fraction"], bool)
+    printed = capsys.readouterr().out
+    assert "Ray Data, s3:// (moto)" in printed and "waited for data" in printed
