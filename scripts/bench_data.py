@@ -187,14 +187,18 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
     base = baseline(train, root)
     row.update(baseline_samples_per_s=base["samples_per_s"], baseline_vision_tokens_per_s=base["vision_tokens_per_s"])
 
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # moto accepts any keys; set before resolve()
-        os.environ.setdefault(key, "bench")
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    for key, value in saved.items():  # moto accepts any keys; resolve() reads them (restored at the end)
+        os.environ[key] = value or "bench"
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server would log every request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    local_ray_on_loopback()
-    ray.init(num_cpus=2, object_store_memory=sizes["object_store_mb"] << 20, include_dashboard=False,
-             log_to_driver=False)
+    own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session) is reused and left running
+    if own_ray:
+        local_ray_on_loopback()
+        ray.init(num_cpus=2, object_store_memory=sizes["object_store_mb"] << 20, include_dashboard=False,
+                 log_to_driver=False)
+    store_mb = ray.cluster_resources().get("object_store_memory", 0) / 2**20
     try:
         host, port = server.get_host_and_port()
         storage = upload(synth.out_dir, f"http://{host}:{port}", "bench")
@@ -212,12 +216,18 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
         row.update(ray_data_samples_per_s=local["samples_per_s"], ray_data_vision_tokens_per_s=local[
             "vision_tokens_per_s"], ray_data_startup_s=local["startup_s"], ray_data_s3_samples_per_s=s3[
             "samples_per_s"], ray_data_s3_vision_tokens_per_s=s3["vision_tokens_per_s"],
-            object_store_mb=sizes["object_store_mb"], memory=memory,
-            streamed_over_object_store=memory[-1]["streamed_mb"] / sizes["object_store_mb"],
+            object_store_mb=round(store_mb), memory=memory,
+            streamed_over_object_store=memory[-1]["streamed_mb"] / max(store_mb, 1e-9),
             peak_growth=memory[-1]["peak_pss_mb"] / max(memory[0]["peak_pss_mb"], 1e-9))
     finally:
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
         server.stop()
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
     row.update(training_wait(work / "synth", work / "runs", sizes["train_steps"]))
     row["speedup_over_baseline"] = row["ray_data_samples_per_s"] / row["baseline_samples_per_s"]
     row["goal"] = {"data_wait_fraction": row["data_wait_fraction"] <= GOAL_WAIT}

@@ -8,7 +8,8 @@ import math
 from dhp.stages.cli import main
 
 
-def test_bench_data_quick_writes_its_row(tmp_path, capsys):
+def test_bench_data_quick_writes_its_row(ray_session, tmp_path, capsys):
+    """On the tests' shared Ray (reused, left running), as `dhp bench data` does under a caller's Ray."""
     out = tmp_path / "data.json"
     assert main(["bench", "data", "--quick", "--json", str(out)]) == 0
     [row] = json.loads(out.read_text())
