@@ -27,7 +27,8 @@ from PIL import Image, UnidentifiedImageError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from dhp.dataflow.storage import filesystem, is_uri, one_line, resolve, scheme_of
+from dhp.dataflow.storage import filesystem, is_uri, resolve, scheme_of
+from dhp.stages.config import one_line
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"

@@ -22,6 +22,8 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
+from dhp.stages.config import ConfigError, one_line
+
 
 @dataclass(frozen=True)
 class Credentials:
@@ -70,7 +72,7 @@ def resolve(config: Any = None) -> Storage:
         if get("profile"):
             credentials = _profile_credentials(profile)
             if credentials is None:
-                raise _config_error(
+                raise ConfigError(
                     f"data.storage.profile={profile!r}: no such profile with aws_access_key_id and "
                     f"aws_secret_access_key in {_credentials_file()} or {_config_file()} (for role or SSO "
                     "profiles export the AWS_* variables instead)"
@@ -82,7 +84,7 @@ def resolve(config: Any = None) -> Storage:
             credentials = _profile_credentials(profile)  # None: left to the SDK chain in each process
     endpoint = get("endpoint_url") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
     if endpoint and ("://" not in endpoint or "@" in endpoint.split("://", 1)[1].split("/", 1)[0]):
-        raise _config_error(f"data.storage.endpoint_url must be http(s)://host[:port] without credentials, "
+        raise ConfigError(f"data.storage.endpoint_url must be http(s)://host[:port] without credentials, "
                             f"got {endpoint.split('://')[0]}://...")
     region = get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or _profile_value(
         profile or "default", "region")
@@ -163,7 +165,7 @@ def filesystem_of_all(uris: list[str], storage: Any = None) -> tuple[pafs.FileSy
     """One filesystem for several files (a Ray Data read takes one); they must share the URI scheme."""
     schemes = {scheme_of(u) or "local" for u in uris}
     if len(schemes) != 1:
-        raise _config_error(f"data.train/data.eval: one list mixes storage kinds ({', '.join(sorted(schemes))}); "
+        raise ConfigError(f"data.train/data.eval: one list mixes storage kinds ({', '.join(sorted(schemes))}); "
                             "a split is read from one kind of storage")
     fs = filesystem(uris[0], storage)[0]
     return fs, [filesystem(u, storage)[1] for u in uris]
@@ -178,16 +180,6 @@ def require_file(uri: str, storage: Any = None, what: str = "annotation file") -
         raise FileNotFoundError(f"{what} {uri} cannot be read: {one_line(e)}") from None
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{what} not found: {uri}")
-
-
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
-
-
-def _config_error(message: str) -> Exception:
-    from dhp.stages.config import ConfigError
-
-    return ConfigError(message)
 
 
 def _credentials_file() -> Path:

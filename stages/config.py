@@ -159,7 +159,7 @@ def load_config(source: str = "tiny", overrides: list[str] | None = None) -> Con
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
+        raise ConfigError(f"{path}: not valid YAML: {one_line(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
     config = _build(Config, raw, prefix="", origin=str(path))
@@ -172,7 +172,8 @@ def load_config(source: str = "tiny", overrides: list[str] | None = None) -> Con
     return config
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (for one-line CLI errors and skip details)."""
     return " ".join(str(error).split())
 
 
@@ -186,7 +187,7 @@ def _parse_override(tp: Any, text: str, item: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"command line: override {item!r}: value is not valid YAML: {_one_line(e)}") from None
+        raise ConfigError(f"command line: override {item!r}: value is not valid YAML: {one_line(e)}") from None
 
 
 def _build(cls: type, raw: dict[str, Any], prefix: str, origin: str) -> Any:

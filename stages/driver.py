@@ -17,7 +17,7 @@ import ray
 from dhp.dataflow.synth import write_synthetic_dataset
 from dhp.stages import run_log
 from dhp.stages.checkpoint_files import latest_valid, verify
-from dhp.stages.config import Config, save_config
+from dhp.stages.config import Config, one_line, save_config
 
 
 def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
@@ -107,8 +107,7 @@ class TrainingFailed(RuntimeError):
 
 
 def _one_line(e: Exception) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}"
+    return f"{type(e).__name__}: {one_line(e)[:300]}"
 
 
 def _lost_an_actor(error: Exception, trainer) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -30,9 +29,9 @@ def ray_session():
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1, for a spawned process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from dhp.scripts.local_head import free_ports
+
+    return free_ports(1)[0]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
