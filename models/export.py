@@ -3,9 +3,9 @@
 A dhp checkpoint directory holds `{stage}-rank{rank:05d}.safetensors` (each rank's local tensors under
 module names: slices under tensor parallelism, rows under ZeRO-3, full copies otherwise), `config.json`
 (the model's `Qwen2_5_VLConfig`) and `dhp_checkpoint.json` (each stage's layout). Export reads only the
-ranks that make one copy of each stage, reassembles full tensors with the same functions the workers use
-(`models/layouts.py`), renames them as transformers does and writes one shard per stage plus the index,
-so `Qwen2_5_VLForConditionalGeneration.from_pretrained(out)` loads it.
+ranks that make one copy of each stage (`layout.state_ranks`), reassembles full tensors as the workers do
+(`layout.gather`), renames them as transformers does and writes one shard per stage plus the index, so
+`Qwen2_5_VLForConditionalGeneration.from_pretrained(out)` loads it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from safetensors.torch import load_file
 from transformers import Qwen2_5_VLConfig
 
-from dhp.models.layouts import gather_stage_state, state_ranks
+from dhp.models.layouts import make_layout
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.weights import save_shard, write_index
 
@@ -45,11 +45,12 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> dict[str, str]:
     config = Qwen2_5_VLConfig.from_pretrained(ckpt_dir)
     weight_map: dict[str, str] = {}
     for stage, lay in meta["layout"].items():
-        files = [ckpt_dir / f"{stage}-rank{r:05d}.safetensors" for r in state_ranks(**lay)]
+        layout = make_layout(stage, lay["parallelism"], lay["degree"], lay["num_actors"], config)
+        files = [ckpt_dir / f"{stage}-rank{r:05d}.safetensors" for r in layout.state_ranks(0)]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{ckpt_dir}: missing rank files {missing}")
-        full = gather_stage_state(stage, lay["parallelism"], [load_file(f) for f in files], config)
+        full = layout.gather([load_file(f) for f in files])
         named = {HF_NAME[stage](n): t.contiguous() for n, t in full.items()}
         if stage == "text" and config.tie_word_embeddings:
             named.pop("lm_head.weight", None)  # stored once, under the embedding

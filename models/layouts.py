@@ -1,36 +1,50 @@
-"""From per-rank local tensors back to the full model, for any stage layout.
+"""The one place that maps a layout name to its class (models/layout.py says what a layout answers).
 
-`local_states` are the `StageWorker.local_state()` dicts (module names) of the ranks that together hold
-one copy of a stage, in rank order: one replica's model-parallel ranks for `tensor` / `sequence` /
-`none` (sequence-parallel and unsharded ranks hold full replicas: rank 0's is taken), every rank of the
-pool for `zero3`. Used by the workers when they export and by `dhp export-hf` on saved shards.
+| stage  | `parallelism` | class                   | file                            |
+|--------|---------------|-------------------------|---------------------------------|
+| both   | `none`        | `DataParallel`          | models/data_parallel.py         |
+| vision | `sequence`    | `SequenceParallel`      | models/sequence_parallel.py     |
+| vision | `tensor`      | `VisionTensorParallel`  | models/vision_tensor_parallel.py|
+| text   | `tensor`      | `TensorParallel`        | models/tensor_parallel.py       |
+| both   | `zero3`       | `Zero3`                 | models/zero3.py                 |
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
+from dhp.models.data_parallel import DataParallel
+from dhp.models.layout import Layout
+from dhp.models.sequence_parallel import SequenceParallel
+from dhp.models.tensor_parallel import TensorParallel
+from dhp.models.vision_tensor_parallel import VisionTensorParallel
+from dhp.models.zero3 import Zero3
+
+_CLASSES: tuple[type[Layout], ...] = (DataParallel, SequenceParallel, VisionTensorParallel, TensorParallel, Zero3)
+LAYOUTS: dict[tuple[str, str], type[Layout]] = {(stage, c.name): c for c in _CLASSES for stage in c.stages}
 
 
-def gather_stage_state(
-    stage: str, parallelism: str, local_states: list[dict[str, torch.Tensor]], model_config: Any
-) -> dict[str, torch.Tensor]:
-    if parallelism == "zero3":
-        from dhp.models.zero3 import gather_zero3_state_dict
-
-        return gather_zero3_state_dict(local_states)
-    if parallelism == "tensor" and stage == "text":
-        from dhp.models.tensor_parallel import gather_full_state_dict
-
-        return gather_full_state_dict(local_states, model_config)
-    if parallelism == "tensor" and stage == "vision":
-        from dhp.models.vision_tensor_parallel import gather_full_vision_state_dict
-
-        return gather_full_vision_state_dict(local_states, model_config.vision_config)
-    return local_states[0]
+def available(stage: str) -> tuple[str, ...]:
+    """Layout names a stage can use, in a stable order."""
+    return tuple(name for (s, name) in LAYOUTS if s == stage)
 
 
-def state_ranks(parallelism: str, degree: int, num_actors: int) -> list[int]:
-    """Pool ranks whose local states make one full copy (see the module docstring)."""
-    return list(range(num_actors)) if parallelism == "zero3" else list(range(degree))
+def layout_class(stage: str, parallelism: str) -> type[Layout]:
+    try:
+        return LAYOUTS[(stage, parallelism)]
+    except KeyError:
+        raise ValueError(
+            f"{stage}.parallelism={parallelism!r} is not available in this version; "
+            f"available for {stage}: {', '.join(available(stage))}"
+        ) from None
+
+
+def make_layout(stage: str, parallelism: str, degree: int = 1, num_actors: int = 1, model_config: Any = None) -> Layout:
+    """The layout object of one stage (`model_config` is needed by shape checks, slicers and gathers)."""
+    return layout_class(stage, parallelism)(stage, degree, num_actors, model_config)
+
+
+def stage_layout(cfg: Any, stage: str, model_config: Any = None) -> Layout:
+    """The layout a run's config gives `stage` (`cfg.vision` / `cfg.text`: parallelism, degree, num_actors)."""
+    s = getattr(cfg, stage)
+    return make_layout(stage, s.parallelism, s.degree, s.num_actors, model_config)

@@ -43,6 +43,10 @@ class VisionModel(nn.Module):
         pixel_values = pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
         return self.visual(pixel_values, grid_thw=grid_thw).pooler_output
 
+    def shard_units(self) -> list[nn.Module]:
+        """The modules a sharded layout gathers one at a time (blocks, merger); the rest goes with the root."""
+        return [*self.visual.blocks, self.visual.merger]
+
     @staticmethod
     def hf_name(name: str) -> str:
         return "model." + name
@@ -108,6 +112,10 @@ class TextModel(nn.Module):
         keep = shift_labels != IGNORE_INDEX
         logits = self.lm_head(hidden[keep]).float()
         return fixed_cross_entropy(logits, shift_labels[keep], num_items_in_batch=1)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The modules a sharded layout gathers one at a time (decoder layers); the rest goes with the root."""
+        return list(self.language_model.layers)
 
     @staticmethod
     def hf_name(name: str) -> str:

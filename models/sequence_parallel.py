@@ -51,6 +51,7 @@ again in backward, and only in len(fullatt_block_indexes) blocks (4 of 32).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision, eager_attention_forward
 from transformers.utils.generic import is_flash_attention_requested
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+from dhp.models.layout import NOT_SHARDED, Layout, PoolRanks, VitShape
 
 
 @dataclass(frozen=True)
@@ -263,3 +266,69 @@ def gather_merged(merged_shard: torch.Tensor, plan: ShardPlan, rank: int, group)
         return merged_shard
     full = _GatherShards.apply(merged_shard, sizes, rank, group) if plan.sp > 1 else merged_shard
     return full[torch.argsort(plan.window_index).to(full.device)]
+
+
+class SequenceParallel(Layout):
+    """`sequence` (vision): window-aware Ulysses inside each replica + ZeRO-1 AdamW over the whole pool.
+
+    The loader sends each rank only its own window-aligned patches (`loader_shards`), every rank's merged
+    shard crosses the boundary (the text side reassembles them: stages/boundary.py), and each shard's
+    gradient comes back to the rank that produced it. SP ranks see different patches, so their parameter
+    gradients are partial sums over the sequence: they are summed over the whole pool (SP x DP) before
+    the step, after which every rank holds the same full gradients and ZeRO-1 can shard the moments.
+    """
+
+    name = "sequence"
+    stages = ("vision",)
+
+    def check_shape(self, model_config: Any) -> None:
+        check_sp_degree(model_config.vision_config.num_heads, self.degree)
+
+    @property
+    def loader_shards(self) -> int:
+        return self.degree
+
+    def grad_sync_group(self, ranks: PoolRanks) -> Any:
+        return None  # the whole pool
+
+    def optimizer_shard_group(self, ranks: PoolRanks) -> Any:
+        """ZeRO-1 over the whole pool: every rank holds the same summed gradients after the sync.
+
+        torch's ZeroRedundancyOptimizer rather than DeepSpeed ZeRO-1, measured (DeepSpeed 0.19.8, CPU/gloo):
+        both give exact parity, but DeepSpeed has no API for an externally computed clip coefficient (the
+        global norm spans two pools; it needs its private `loss_scale`/`averaged_gradients`), its gradient
+        flush must stay open across Ray calls (`coalesce_grad_reduction`), and it JIT-builds a comm op
+        (~90 s on 2 cores) on every fresh machine. Costs: whole-parameter partitions, all-reduce + broadcast
+        instead of reduce-scatter + all-gather.
+        """
+        return None if ranks.world_size > 1 else NOT_SHARDED
+
+    @property
+    def optimizer_fraction(self) -> float:
+        return 1.0 / self.num_actors
+
+    def vision_forward(self, model, pixels: torch.Tensor, grid: torch.Tensor, ranks: PoolRanks) -> torch.Tensor:
+        """This rank's merged shard [S_r / 4, D] in window order. Every rank of the replica has the same
+        grid, so the same plan and the same collectives (an empty batch: the plain forward, none)."""
+        if grid.numel() == 0:
+            return model(pixels, grid.to(pixels.device))
+        plan = plan_shards(grid, self.degree, self.model_config)
+        return sp_vision_forward(model.visual, pixels, grid, plan, ranks.model_rank, ranks.model_group)
+
+    def vit_comm_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """Per full block (3 + 1) * S_r * D * (N-1)/N, forward and backward; the gather of S_r / 4 rows."""
+        n, p = self.degree, patches
+        return (s.full * 2 * 4 * (p / n) * s.d * (n - 1) / n + (n - 1) * (p / n / 4) * s.o) * b
+
+    def vit_grad_sync_bytes(self, s: VitShape, b: int) -> float:
+        """ZeRO-1: a 2(N-1)/N all-reduce of every gradient, then an (N-1)/N broadcast of every parameter."""
+        return 3 * (self.degree - 1) / self.degree * s.params() * b
+
+    def vit_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """Everything / N; a full block keeps the all-to-all output instead of q, k, qkv; only the inverse
+        window index is kept."""
+        n = self.degree
+        if n == 1:
+            return super().vit_activation_bytes(s, patches, b)
+        full, sharded = s.activation_elements()
+        return (full + sharded - s.full * 2 * s.d) * patches / n * b + patches / 4 * 8

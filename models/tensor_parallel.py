@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from dhp.models.layout import Layout, PoolRanks
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
 
 _COLUMN = re.compile(r"\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
@@ -327,3 +328,36 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
     model.lm_head.register_forward_pre_hook(copy, with_kwargs=True)
     model.tp_group, model.tp_rank, model.tp_size = group, rank, tp
     model.loss_sum = types.MethodType(_vocab_parallel_loss_sum, model)
+
+
+class TensorParallel(Layout):
+    """`tensor` (text): Megatron TP inside each replica (the plan in the module docstring).
+
+    Every rank of a replica gets the same micro-batch and the same vision embeddings, and ends with the
+    same loss and the same gradient of those embeddings, so rank 0's cross back. Sharded parameters hold
+    a slice (`part`); the others are replicated with bit-identical gradients (no sync inside the replica).
+    """
+
+    name = "tensor"
+    stages = ("text",)
+
+    def check_shape(self, model_config) -> None:
+        check_tp_degree(self.degree, model_config)
+
+    def part(self, name: str, model_rank: int):
+        """Index of model-parallel rank `model_rank`'s part of the full tensor `name`; None if replicated."""
+        return tp_slice(name, model_rank, self.degree, self.model_config)
+
+    def slicer(self, rank: int, full_shapes: dict[str, torch.Size]):
+        return functools.partial(self.part, model_rank=rank % self.degree)
+
+    def apply(self, model: nn.Module, ranks: PoolRanks) -> None:
+        apply_tensor_parallel(model, ranks.model_group)
+
+    def gather(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return gather_sliced(local_states, self.part)
+
+    def unsynced_replicated(self, model: nn.Module) -> list[nn.Parameter]:
+        """Replicated parameters: their gradients are identical on every rank of the replica, so dhp never
+        all-reduces them (`dhp bench layouts` counts that all-reduce by convention)."""
+        return [p for p in model.parameters() if not p._dhp_sharded]

@@ -53,8 +53,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from dhp.models.layout import PoolRanks, VitShape
 from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.tensor_parallel import copy_to_region, gather_sliced, read_part, reduce_from_region, shard_sliced
+from dhp.models.tensor_parallel import (
+    TensorParallel,
+    copy_to_region,
+    gather_sliced,
+    read_part,
+    reduce_from_region,
+    shard_sliced,
+)
 
 Index = tuple[slice, ...] | list[tuple[slice, ...]]
 
@@ -171,3 +179,47 @@ def apply_vision_tensor_parallel(model: VisionModel, group: dist.ProcessGroup) -
     for linear in row_parallel:
         linear.forward = functools.partial(_row_parallel_forward, linear, group)
     model.tp_group, model.tp_rank, model.tp_size = group, rank, tp
+
+
+class VisionTensorParallel(TensorParallel):
+    """`tensor` (vision): the uniform-TP baseline. Every TP rank encodes the same pixels and ends with the
+    same full merged sequence, so one output (rank 0's) crosses the boundary and the others only join the
+    all-reduces; on the way back the replicated output's gradient goes to every rank (row-parallel adjoint).
+    """
+
+    stages = ("vision",)
+
+    def check_shape(self, model_config) -> None:
+        check_vision_tp_degree(self.degree, model_config.vision_config)
+
+    def part(self, name: str, model_rank: int) -> Index | None:
+        return vision_tp_slice(name, model_rank, self.degree, self.model_config)
+
+    def apply(self, model: nn.Module, ranks: PoolRanks) -> None:
+        apply_vision_tensor_parallel(model, ranks.model_group)
+
+    def rank_inputs(self, inputs: list | None) -> list:
+        return [] if inputs is None else list(inputs[:1]) * self.degree
+
+    def crossing(self, outputs: list) -> list:
+        return outputs[:1]
+
+    def rank_grads(self, grads: list) -> list:
+        return list(grads) * self.degree if grads else grads
+
+    def vit_comm_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """All-reduces: forward 2 per block [P, D] + merger [P/4, O]; backward merger [P/4, 4D] + 2 per block."""
+        n, p = self.degree, patches
+        forward, backward = 2 * s.depth * p * s.d + p / 4 * s.o, p / 4 * 4 * s.d + 2 * s.depth * p * s.d
+        return 2 * (n - 1) / n * (forward + backward) * b
+
+    def vit_grad_sync_bytes(self, s: VitShape, b: int) -> float:
+        """By convention, an all-reduce of the replicated parameters (which dhp skips: identical gradients)."""
+        return 2 * (self.degree - 1) / self.degree * s.replicated_params() * b
+
+    def vit_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """The per-block attention and MLP activations / N; pixels, rotary, norms replicated."""
+        if self.degree == 1:
+            return super().vit_activation_bytes(s, patches, b)
+        full, sharded = s.activation_elements()
+        return (full + sharded / self.degree) * patches * b + patches / 4 * 8 * 2

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+
+from dhp.models.layout import SKIP_SYNC, Layout, PoolRanks, VitShape
 
 
 def apply_zero3(model: nn.Module, units: Iterable[nn.Module], world_size: int, device: torch.device) -> None:
@@ -68,3 +71,57 @@ def gather_zero3_state_dict(shards: list[dict[str, torch.Tensor]]) -> dict[str, 
         name: first.clone() if first.ndim == 0 else torch.cat([s[name] for s in shards])
         for name, first in shards[0].items()
     }
+
+
+def assign_local_rows(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy each rank's checkpoint rows into its ZeRO-3 shard (a DTensor's local tensor)."""
+    own = module.state_dict()
+    with torch.no_grad():
+        for name, rows in state.items():
+            local_tensor(own[name]).copy_(rows)
+
+
+class Zero3(Layout):
+    """`zero3` (either stage): one copy of the model spread over the whole pool, every rank a replica.
+
+    Replicas run in lockstep (the per-unit all-gathers span all ranks): the trainer pads a replica that
+    has fewer micro-batches, and a rank with no image still encodes a placeholder. FSDP2 reduce-scatters
+    (sums) the gradients in the backward itself, so there is no separate gradient sync, and every rank
+    holds distinct rows of every gradient, so every rank reports its own share of the norm.
+    """
+
+    name = "zero3"
+    stages = ("vision", "text")
+    lockstep = True
+    spans_pool = True
+    assign_loaded = staticmethod(assign_local_rows)
+
+    @classmethod
+    def check_degree(cls, stage: str, degree: int) -> str | None:
+        if degree != 1:
+            return (
+                f"{stage}.degree={degree}: zero3 shards the model over the whole pool and every actor reads "
+                f"its own samples; use {stage}.degree=1 ({stage}.num_actors is both the shard and the "
+                f"data-parallel size)"
+            )
+        return None
+
+    def apply(self, model: nn.Module, ranks: PoolRanks) -> None:
+        apply_zero3(model, model.shard_units(), ranks.world_size, ranks.device)
+
+    def slicer(self, rank: int, full_shapes: dict[str, torch.Size]):
+        return lambda name: zero3_slice(rank, self.num_actors, full_shapes[name][0])
+
+    def grad_sync_group(self, ranks: PoolRanks) -> Any:
+        return SKIP_SYNC
+
+    def reports_grad_norm(self, ranks: PoolRanks, param: nn.Parameter) -> bool:
+        return True
+
+    def gather(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return gather_zero3_state_dict(local_states)
+
+    def vit_grad_sync_bytes(self, s: VitShape, b: int) -> float:
+        """Per unit and micro-batch: all-gather forward + all-gather backward + reduce-scatter, padded shards."""
+        n = self.num_actors
+        return 3 * (n - 1) * s.params(pad_to=n) / n * b

@@ -61,11 +61,12 @@ import math
 import os
 import sys
 import types
-from typing import NamedTuple
 
 import torch
 
-from dhp.scripts.layout_counts import MEASURED_VISION, PIXELS, REAL_VISION, VISION_COMMON, measure, measure_none
+from dhp.models.layout import Layout, VitShape
+from dhp.models.layouts import layout_class
+from dhp.scripts.layout_counts import MEASURED_VISION, REAL_VISION, VISION_COMMON, measure, measure_none
 
 FORMULA_SEQ = [1024, 4096, 16384, 65536]
 DEGREES = [2, 4, 8]
@@ -74,78 +75,35 @@ GRAD_BYTES = 4  # fp32 master parameters: gradients, ZeRO-1 broadcasts, FSDP2 ga
 KEYS = ("comm_bytes_per_rank", "grad_sync_bytes_per_rank", "activation_bytes_per_rank")
 
 
-class Shape(NamedTuple("Shape", [(f, int) for f in ("depth", "full", "d", "h", "i", "o")])):
-    @classmethod
-    def of(cls, v: dict) -> Shape:
-        dims = (v[k] for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
-        return cls(v["depth"], len(v["fullatt_block_indexes"]), *dims)
+Shape = VitShape  # the ViT dimensions the formulas read (models/layout.py)
 
-    def param_rows(self) -> list[tuple[int, int]]:
-        """(dim-0 rows, elements per row) of every ViT parameter: patch embed, blocks, merger."""
-        d, i, o = self.d, self.i, self.o
-        norms, attn = [(d, 1), (d, 1)], [(3 * d, d), (3 * d, 1), (d, d), (d, 1)]
-        mlp = [(i, d), (i, 1), (i, d), (i, 1), (d, i), (d, 1)]
-        merger = [(d, 1), (4 * d, 4 * d), (4 * d, 1), (o, 4 * d), (o, 1)]
-        return [(d, PIXELS), *(norms + attn + mlp) * self.depth, *merger]
 
-    def params(self, pad_to: int = 1) -> int:
-        """Parameter count; with pad_to=N, each padded to a multiple of N rows, as FSDP2 shards them."""
-        return sum(-(-rows // pad_to) * pad_to * per_row for rows, per_row in self.param_rows())
-
-    def replicated_params(self) -> int:  # tensor layout: norms, row-parallel biases, patch embed, ln_q, merger bias
-        return PIXELS * self.d + self.depth * 4 * self.d + self.d + self.o
+def vision_layout(layout: str, n: int) -> Layout:
+    """The vision layout `layout` over n ranks holding one copy: the formulas below are its own methods."""
+    return layout_class("vision", layout).of_size("vision", n)
 
 
 def infeasible(vision: dict, layout: str, n: int) -> str | None:
     """Why `layout` cannot run at degree n on `vision` (dhp's own checks), or None."""
-    from dhp.models.sequence_parallel import check_sp_degree
-    from dhp.models.vision_tensor_parallel import check_vision_tp_degree
-
+    config = types.SimpleNamespace(vision_config=types.SimpleNamespace(**vision, **VISION_COMMON))
     try:
-        if layout == "tensor":
-            check_vision_tp_degree(n, types.SimpleNamespace(**vision, **VISION_COMMON))
-        elif layout == "sequence":
-            check_sp_degree(vision["num_heads"], n)
+        vision_layout(layout, n).check_shape(config)
     except ValueError as e:
         return str(e)
     return None
 
 
 def comm_formula(s: Shape, layout: str, n: int, p: int, b: int) -> float:
-    if layout == "sequence":  # per full block: (3 + 1) * S_r * D * (N-1)/N, fwd and bwd; gather of S_r/4 rows
-        return (s.full * 2 * 4 * (p / n) * s.d * (n - 1) / n + (n - 1) * (p / n / 4) * s.o) * b
-    if layout == "tensor":  # all-reduces: fwd 2/block [P, D] + merger [P/4, O]; bwd merger [P/4, 4D] + 2/block [P, D]
-        forward, backward = 2 * s.depth * p * s.d + p / 4 * s.o, p / 4 * 4 * s.d + 2 * s.depth * p * s.d
-        return 2 * (n - 1) / n * (forward + backward) * b
-    return 0.0
+    return vision_layout(layout, n).vit_comm_bytes(s, p, b)
 
 
 def grad_sync_formula(s: Shape, layout: str, n: int, b: int) -> float:
-    if layout == "sequence":  # ZeRO-1: 2(N-1)/N all-reduce + (N-1)/N broadcast of every parameter
-        return 3 * (n - 1) / n * s.params() * b
-    if layout == "zero3":  # per unit: all-gather fwd + all-gather bwd + reduce-scatter, of padded shards
-        return 3 * (n - 1) * s.params(pad_to=n) / n * b
-    if layout == "tensor":
-        return 2 * (n - 1) / n * s.replicated_params() * b
-    return 0.0
+    return vision_layout(layout, n).vit_grad_sync_bytes(s, b)
 
 
 def activation_formula(s: Shape, layout: str, n: int, p: int, b: int) -> float:
     """Saved-for-backward bytes per rank: elements per patch counted from the transformers modules."""
-    hd, d = s.d // s.h, s.d
-    norm = 3 * d + 1  # RMSNorm keeps x, rsqrt, x * rsqrt; its output is saved by the next Linear
-    attn = 7 * d + s.h  # q_rot, k_rot, the qkv output (v is a view of it), attention out, proj input; lse
-    mlp = 4 * s.i  # gate, act(gate), up, act * up
-    merger_mlp = 2 * d  # GELU input and output, [P/4, 4D] each
-    full = PIXELS + 2 * hd + s.depth * 2 * norm + norm  # pixels, cos/sin, the norms, ln_q: replicated under TP
-    sharded = s.depth * (attn + mlp) + merger_mlp
-    # int64 [P/4]: transformers' forward keeps the window index and its inverse; the SP path the inverse only
-    index = p / 4 * 8 * (1 if layout == "sequence" and n > 1 else 2)
-    if layout in ("none", "zero3") or n == 1:
-        return (full + sharded) * p * b + index
-    if layout == "sequence":  # everything / N; a full block keeps the all-to-all output instead of q, k, qkv
-        return (full + sharded - s.full * 2 * d) * p / n * b + index
-    return (full + sharded / n) * p * b + index  # tensor
+    return vision_layout(layout, n).vit_activation_bytes(s, p, b)
 
 
 def max_seq(s: Shape, layout: str, n: int, budget: float, b: int) -> int:
@@ -154,7 +112,7 @@ def max_seq(s: Shape, layout: str, n: int, budget: float, b: int) -> int:
 
 
 def _row(layout: str, degree: int, seq_len: int, comm: float, grad: float, act: float, **extra) -> dict:
-    unit = "micro-batch" if layout == "zero3" else "step"  # FSDP2 syncs in every forward/backward
+    unit = "micro-batch" if layout_class("vision", layout).spans_pool else "step"  # FSDP2 syncs in every fwd/bwd
     values = dict(zip(KEYS, (comm, grad, act)))
     return dict(layout=layout, degree=degree, seq_len=seq_len, **values, grad_sync_unit=unit, **extra)
 
@@ -234,9 +192,8 @@ def plot(rows: list[dict], path: str, budget: float) -> None:
             (r["seq_len"], r[key] / 2**30, r["feasible"]) for r in real if (r["layout"], r["degree"]) == (layout, n)
         )
         ok = pts[0][2]
-        label = (
-            f"{layout} N={n}" + ("" if ok else " (infeasible: 3420 % 8)") + (" (= none)" if layout == "zero3" else "")
-        )
+        same_as_none = layout_class("vision", layout).spans_pool  # data parallel: full-sequence activations
+        label = f"{layout} N={n}" + ("" if ok else " (infeasible: 3420 % 8)") + (" (= none)" if same_as_none else "")
         style = {"ls": "-" if ok else ":", **style}
         ax.plot([x for x, *_ in pts], [y for _, y, _ in pts], label=label, **style)
 

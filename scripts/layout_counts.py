@@ -140,51 +140,61 @@ class Counter:
         self.comm, self.grad, self.phase = 0.0, 0.0, "comm"
 
 
-def _run(layout: str, counter: Counter, p: int) -> dict:
-    """One micro-batch of `p` patches under `layout` on this rank: bytes sent and saved."""
+def _run(name: str, counter: Counter, p: int) -> dict:
+    """One micro-batch of `p` patches under layout `name` on this rank: bytes sent and saved.
+
+    The layout object does what it does in a vision worker (apply, forward, gradient sync group, ZeRO-1
+    group); the one addition is the benchmark's convention for tensor parallelism: the gradients of the
+    replicated parameters, which dhp never all-reduces (they are identical), are all-reduced and counted.
+    """
     import torch.distributed as dist
 
     from dhp.models import sequence_parallel as sp
-    from dhp.models.vision_tensor_parallel import apply_vision_tensor_parallel
-    from dhp.models.zero3 import apply_zero3
+    from dhp.models.layout import NOT_SHARDED, SKIP_SYNC, PoolRanks
+    from dhp.models.layouts import layout_class
 
     rank, world, group = counter.rank, counter.world, dist.group.WORLD
     cfg, model = build_model()
+    layout = layout_class("vision", name).of_size("vision", world, cfg)
+    singles = [dist.new_group([r]) for r in range(world)]  # the size-1 group of whichever dimension is 1
+    whole = layout.degree == world
+    ranks = PoolRanks(
+        rank, world, layout.degree, rank // layout.degree, rank % layout.degree,
+        group if whole else singles[rank], singles[rank] if whole else group, torch.device("cpu"),
+    )
     grid = grid_of(p)
-    if layout == "sequence":
+    layout.apply(model, ranks)
+    zero_group = layout.optimizer_shard_group(ranks)
+    opt = None
+    if zero_group is not NOT_SHARDED:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.SGD, lr=1e-3)
-        plan, pixels = sp.plan_shards(grid, world, cfg), _pixels(p)
+        opt = ZeroRedundancyOptimizer(
+            list(model.parameters()), optimizer_class=torch.optim.SGD, lr=1e-3, process_group=zero_group
+        )
+    # Data parallel layouts: each rank its own image; model-parallel ones: every rank the same micro-batch.
+    pixels = _pixels(p, seed=rank + 1 if layout.dp == world and world > 1 else 0)
+    plan = sp.plan_shards(grid, layout.loader_shards, cfg) if layout.loader_shards else None
 
-        def forward():
-            shard = sp.sp_vision_forward(model.visual, plan.shard(pixels, rank), grid, plan, rank, group)
-            return sp.gather_merged(shard, plan, rank, group)
-
-    else:
-        if layout == "tensor":
-            apply_vision_tensor_parallel(model, group)
-            pixels = _pixels(p)  # every TP rank sees the same micro-batch
-        else:
-            apply_zero3(model, [*model.visual.blocks, model.visual.merger], world, torch.device("cpu"))
-            pixels = _pixels(p, seed=rank + 1)  # data parallel: each rank its own image
-
-        def forward():
-            return model(pixels, grid)
+    def forward():
+        if plan is None:
+            return layout.vision_forward(model, pixels, grid, ranks)
+        shard = layout.vision_forward(model, plan.shard(pixels, rank), grid, ranks)
+        return sp.gather_merged(shard, plan, rank, group)  # the boundary's gather, counted as activation comm
 
     counter.reset()
     with saved_bytes(model) as saved:
         out = forward()
     out.sum().backward()
     counter.phase = "grad"
-    if layout == "sequence":  # ZeRO-1: the group's gradient sum, then each rank's share steps and is broadcast
+    sync = layout.grad_sync_group(ranks)
+    if sync is not SKIP_SYNC and dist.get_world_size(sync) > 1:
         for q in model.parameters():
-            dist.all_reduce(q.grad)
+            dist.all_reduce(q.grad, group=sync)
+    for q in layout.unsynced_replicated(model):  # the convention (see the docstring)
+        dist.all_reduce(q.grad)
+    if opt is not None:  # ZeRO-1: each rank's share steps and is broadcast
         opt.step()
-    elif layout == "tensor":  # the convention: replicated parameters' gradients all-reduced (dhp skips it)
-        for q in model.parameters():
-            if not q._dhp_sharded:
-                dist.all_reduce(q.grad)
     return dict(comm=counter.comm, grad=counter.grad, act=saved["total"])
 
 

@@ -15,6 +15,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dhp.models.layout import PoolRanks
 from dhp.stages import rendezvous
 
 
@@ -62,6 +63,10 @@ class DistributedWorker:
             group = dist.new_group([m + r * degree for r in range(self.dp)])
             if m == self.model_rank:
                 self.dp_group = group
+        self.ranks = PoolRanks(
+            self.rank, self.world_size, degree, self.replica, self.model_rank, self.model_group, self.dp_group,
+            self.device,
+        )
 
     def setup(self) -> None:
         """Work that needs the process groups (model construction in stage workers)."""

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import ray
 
+from dhp.models.layout import Layout
 from dhp.stages.actor_group import ActorGroup
 from dhp.stages.config import Config, ConfigError
-
-AVAILABLE = {"vision": ("none", "sequence", "tensor", "zero3"), "text": ("none", "tensor", "zero3")}
 
 
 def data_parallel_size(cfg: Config) -> int:
@@ -34,27 +33,19 @@ def data_parallel_size(cfg: Config) -> int:
 def check_layout(cfg: Config, model_config=None) -> None:
     """Refuse, before anything starts, layouts that cannot run, saying what would.
 
-    With the model's config, also the shape constraints: vision heads divisible by the SP degree,
-    text heads / KV heads / vocabulary splittable by the TP degree.
+    Each layout class says what it needs (`check_degree`; with the model's config, `check_shape`: vision
+    heads divisible by the SP degree, text heads / KV heads / vocabulary splittable by the TP degree).
     """
+    from dhp.models.layouts import layout_class, stage_layout
+
     for stage in ("vision", "text"):
         s = getattr(cfg, stage)
-        if s.parallelism not in AVAILABLE[stage]:
-            raise ConfigError(
-                f"{stage}.parallelism={s.parallelism!r} is not available in this version; "
-                f"available for {stage}: {', '.join(AVAILABLE[stage])}"
-            )
-        if s.parallelism == "none" and s.degree != 1:
-            raise ConfigError(
-                f"{stage}.degree={s.degree} needs a parallel layout; with {stage}.parallelism=none use "
-                f"{stage}.degree=1 ({stage}.num_actors then counts data-parallel replicas)"
-            )
-        if s.parallelism == "zero3" and s.degree != 1:
-            raise ConfigError(
-                f"{stage}.degree={s.degree}: zero3 shards the model over the whole pool and every actor reads "
-                f"its own samples; use {stage}.degree=1 ({stage}.num_actors is both the shard and the "
-                f"data-parallel size)"
-            )
+        try:
+            why = layout_class(stage, s.parallelism).check_degree(stage, s.degree)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if why:
+            raise ConfigError(why)
     dp_v, dp_t = cfg.vision.num_actors // cfg.vision.degree, cfg.text.num_actors // cfg.text.degree
     if dp_v != dp_t:
         raise ConfigError(
@@ -63,17 +54,9 @@ def check_layout(cfg: Config, model_config=None) -> None:
             f"must match, e.g. text.num_actors={dp_v * cfg.text.degree}"
         )
     if model_config is not None:
-        from dhp.models.sequence_parallel import check_sp_degree
-        from dhp.models.tensor_parallel import check_tp_degree
-        from dhp.models.vision_tensor_parallel import check_vision_tp_degree
-
         try:
-            if cfg.vision.parallelism == "sequence":
-                check_sp_degree(model_config.vision_config.num_heads, cfg.vision.degree)
-            if cfg.vision.parallelism == "tensor":
-                check_vision_tp_degree(cfg.vision.degree, model_config.vision_config)
-            if cfg.text.parallelism == "tensor":
-                check_tp_degree(cfg.text.degree, model_config)
+            for stage in ("vision", "text"):
+                stage_layout(cfg, stage, model_config).check_shape(model_config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.training.global_batch_size % dp_v:
@@ -84,19 +67,20 @@ def check_layout(cfg: Config, model_config=None) -> None:
 
 
 class StagePool(ActorGroup):
-    """Under ZeRO-3 (`zero3`) one copy of the model is spread over the whole pool, and every replica must
-    run every call (the per-block all-gathers span all ranks): the trainer pads short replicas with
-    `None` micro-batches, which only a `zero3` pool acts on."""
+    """A lockstep layout (`layout.lockstep`, ZeRO-3) needs every replica to run every call (its collectives
+    span all ranks): the trainer pads short replicas with `None` micro-batches, which only such a pool acts
+    on. Which ranks run a call and whose output crosses the boundary is the layout's answer."""
 
-    parallelism = "none"  # the stage's layout, set by the trainer
+    layout: Layout  # the stage's layout object, set by the trainer
 
     @property
     def zero3(self) -> bool:
-        return self.parallelism == "zero3"
+        """One copy of the model spread over the whole pool (its replicas are not independent copies)."""
+        return self.layout.spans_pool
 
     def state_ranks(self, replica: int = 0) -> list:
         """The actors whose local states together make one full copy of the model."""
-        return self.actors if self.zero3 else self.replica(replica)
+        return [self.actors[r] for r in self.layout.state_ranks(replica)]
 
     def full_state(self, replica: int = 0, grads: bool = False) -> ray.ObjectRef:
         """Ref of the full parameters (or gradients) of one replica, assembled on its first rank."""
@@ -124,27 +108,19 @@ class VisionPool(StagePool):
     def forward(self, replica: int, mb_id: int, inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
         """inputs[j]: rank j's pixels -> refs of the merged-token shards, one per rank (boundary.py).
 
-        inputs None: a padding micro-batch (see the class docstring): no shards unless zero3."""
-        if inputs is None:
-            inputs = [None] * self.degree if self.zero3 else []
-        if self.parallelism == "tensor":
-            # Every TP rank encodes the same pixels and ends with the same full merged sequence: one
-            # shard (rank 0's) crosses the boundary; the others only join the all-reduces.
-            return [a.forward.remote(mb_id, x) for a, x in zip(self.replica(replica), inputs * self.degree)][:1]
-        return [a.forward.remote(mb_id, x) for a, x in zip(self.replica(replica), inputs)]
+        inputs None: a padding micro-batch (see the class docstring): no call unless the layout is lockstep.
+        The layout says what each rank encodes and whose output crosses (`rank_inputs`, `crossing`)."""
+        per_rank = self.layout.rank_inputs(inputs)
+        return self.layout.crossing([a.forward.remote(mb_id, x) for a, x in zip(self.replica(replica), per_rank)])
 
     def backward(self, replica: int, mb_id: int, grads: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """grads[j]: d loss / d shard j. Fewer grads than ranks only for a padding micro-batch (zeros)."""
-        if self.zero3 and not grads:
-            grads = [None] * self.degree
-        if self.parallelism == "tensor" and grads:
-            grads = grads * self.degree  # the replicated output's gradient, to every TP rank (row-parallel adjoint)
-        return [a.backward.remote(mb_id, g) for a, g in zip(self.replica(replica), grads)]
+        """grads[j]: d loss / d crossing output j; none only for a padding micro-batch (zeros)."""
+        per_rank = self.layout.rank_grads(grads)
+        return [a.backward.remote(mb_id, g) for a, g in zip(self.replica(replica), per_rank)]
 
     def forward_eval(self, replica: int, inputs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        if self.parallelism == "tensor":  # as in `forward`: all ranks run, rank 0's output crosses
-            return [a.forward_eval.remote(inputs[0]) for a in self.replica(replica)][:1]
-        return [a.forward_eval.remote(x) for a, x in zip(self.replica(replica), inputs)]
+        per_rank = self.layout.rank_inputs(inputs)
+        return self.layout.crossing([a.forward_eval.remote(x) for a, x in zip(self.replica(replica), per_rank)])
 
 
 class TextPool(StagePool):
@@ -155,9 +131,9 @@ class TextPool(StagePool):
 
         Every rank of the replica runs (tensor-parallel collectives need all of them); rank 0's loss and
         gradients are the replica's — the others are identical copies. inputs None: a padding
-        micro-batch (class docstring): (None, []) unless zero3.
+        micro-batch (class docstring): (None, []) unless the layout is lockstep.
         """
-        if inputs is None and not self.zero3:
+        if inputs is None and not self.layout.lockstep:
             return None, []
         outs = [
             a.forward_backward.options(num_returns=1 + len(shards)).remote(mb_id, inputs, loss_scale, *shards)

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from dhp.models.layouts import gather_stage_state
+from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
+from dhp.models.layouts import stage_layout
 from dhp.models.weights import load_stage_weights, save_shard, tied_names
-from dhp.models.zero3 import apply_zero3, local_tensor, zero3_slice
+from dhp.models.zero3 import local_tensor
 from dhp.stages.actor_group import DistributedWorker
 from dhp.stages.config import Config
 from dhp.stages.trace import EventRecorder
@@ -34,16 +35,16 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(module: nn.Module, cfg: Config, lr_scale: float = 1.0, zero_group: Any = False):
+def build_optimizer(module: nn.Module, cfg: Config, lr_scale: float = 1.0, zero_group: Any = NOT_SHARDED):
     """AdamW + linear warmup + cosine decay to `min_lr_ratio`; one scheduler step per optimizer step.
 
-    `zero_group` (a process group, None = the default group; False = off) shards the AdamW state ZeRO-1
+    `zero_group` (a process group, None = the default group; NOT_SHARDED = off) shards the AdamW state ZeRO-1
     style: each rank keeps the moments of its share of the parameters, steps those, and broadcasts them.
     Every rank must hold the full, already-summed gradients when `step()` runs.
     """
     t = cfg.training
     kwargs = dict(lr=t.lr * lr_scale, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    if zero_group is False:
+    if zero_group is NOT_SHARDED:
         optimizer = torch.optim.AdamW(param_groups(module, t.weight_decay), **kwargs)
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -81,7 +82,8 @@ def recorded(name: str):
 
 
 class StageWorker(DistributedWorker):
-    """A stage's model on one actor. Subclasses build `self.model` and define forward/backward."""
+    """A stage's model on one actor. Subclasses build `self.model` and define forward/backward; everything
+    that depends on the stage's parallelism is asked of `self.layout` (models/layout.py)."""
 
     stage = ""  # "vision" | "text"
     owned_prefixes: tuple[str, ...] = ()  # checkpoint-name prefixes this stage loads
@@ -92,51 +94,30 @@ class StageWorker(DistributedWorker):
         self.stage_cfg = getattr(cfg, self.stage)
 
     def setup(self) -> None:
-        """Build (same seed on every rank), load, parallelize, then the optimizer over what this rank holds.
+        """Build (same seed on every rank), apply the layout, load, then the optimizer over what this rank holds.
 
         Runs after the process groups exist, since the parallel layouts need them.
         """
         torch.manual_seed(self.cfg.model.init_seed)
         self.recorder = EventRecorder(self.stage, self.rank)
-        self.grad_sync_group = self.dp_group  # data-parallel replicas; parallelize() may widen it
-        self.zero3 = self.stage_cfg.parallelism == "zero3"
+        self.layout = stage_layout(self.cfg, self.stage, self.model_config)
         self.model = self.build_model(self.model_config)
         self.full_shapes = {n: t.shape for n, t in self.model.state_dict().items()}
-        if self.zero3:
-            apply_zero3(self.model, self.zero3_units(), self.world_size, self.device)
-        else:
-            self.parallelize()
-        if self.cfg.model.path:  # after parallelize: a sharded rank reads only its own slices
+        self.layout.apply(self.model, self.ranks)
+        if self.cfg.model.path:  # after the layout is applied: a sharded rank reads only its own slices
             load_stage_weights(
                 self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes,
-                slicer=self.checkpoint_slicer(), full_shapes=self.full_shapes,
-                assign=_assign_local_rows if self.zero3 else None,
+                slicer=self.layout.slicer(self.rank, self.full_shapes), full_shapes=self.full_shapes,
+                assign=self.layout.assign_loaded,
             )
         self.model.to(self.device).train()
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.zero_group()
+            self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.layout.optimizer_shard_group(self.ranks)
         )
         self._synced = False  # gradients summed over data-parallel replicas for this step?
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
-
-    def parallelize(self) -> None:
-        """Apply the stage's layout to `self.model` inside `self.model_group` (none: nothing to do)."""
-
-    def zero3_units(self) -> list[nn.Module]:
-        """The modules ZeRO-3 gathers one at a time (blocks); the rest goes with the root."""
-        raise NotImplementedError
-
-    def zero_group(self) -> Any:
-        """The group the optimizer state is sharded over (ZeRO-1), or False for a replicated optimizer."""
-        return False
-
-    def checkpoint_slicer(self):
-        """module name -> index of this rank's part of the full tensor (None: whole); None if unsharded."""
-        if self.zero3:
-            return lambda name: zero3_slice(self.rank, self.world_size, self.full_shapes[name][0])
-        return None
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":
@@ -144,7 +125,8 @@ class StageWorker(DistributedWorker):
         return contextlib.nullcontext()
 
     def sync_grads(self) -> None:
-        """Sum gradients over `grad_sync_group` (data-parallel replicas; the whole pool under SP), flat.
+        """Sum gradients over the layout's `grad_sync_group` (data-parallel replicas; the whole pool under
+        SP), flat.
 
         A parameter that got no gradient on this rank (e.g. a replica whose micro-batches held no image)
         contributes zeros, so every rank all-reduces the same buffer (invariant 2: no data-dependent
@@ -152,9 +134,9 @@ class StageWorker(DistributedWorker):
         """
         import torch.distributed as dist
 
-        group = self.grad_sync_group
-        if self.zero3:
-            return  # FSDP already reduce-scattered (summed) every micro-batch's gradients in its backward
+        group = self.layout.grad_sync_group(self.ranks)
+        if group is SKIP_SYNC:
+            return  # e.g. ZeRO-3: FSDP already reduce-scattered (summed) every micro-batch's gradients
         if self._synced or (self.world_size if group is None else dist.get_world_size(group)) == 1:
             return  # idempotent: a second sync in the same step would double the gradients
         self._synced = True
@@ -171,16 +153,13 @@ class StageWorker(DistributedWorker):
     def grad_sq_norm(self) -> float:
         """This rank's share of the pool's squared gradient norm (call after `sync_grads`).
 
-        Replicas hold identical gradients after the sync, so only replica 0 reports; inside it a sharded
-        parameter (`_dhp_sharded`) is counted on every rank, a replicated one on model-parallel rank 0.
-        Under ZeRO-3 every rank is a replica holding distinct rows of every gradient: all report.
+        Which rank counts which parameter is the layout's answer (`reports_grad_norm`): replica 0 only, a
+        sharded parameter on every rank of it, a replicated one on model-parallel rank 0; under ZeRO-3 all.
         The norm is torch's fused multi-tensor one (fp32 accumulation, as `clip_grad_norm_`): a float64
         copy of every gradient cost ~100 ms per step on the 152k-row embedding and lm_head.
         """
-        if self.replica != 0 and not self.zero3:
-            return 0.0
         grads = [local_tensor(p.grad).detach() for p in self.model.parameters()
-                 if p.grad is not None and (getattr(p, "_dhp_sharded", False) or self.model_rank == 0)]
+                 if p.grad is not None and self.layout.reports_grad_norm(self.ranks, p)]
         if not grads:
             return 0.0
         return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2)
@@ -216,7 +195,7 @@ class StageWorker(DistributedWorker):
     def full_state(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Full tensors from the `local_state`s of the ranks that hold one copy of the model, in rank order
         (one replica's model-parallel ranks; the whole pool under ZeRO-3). Replicated: rank 0's."""
-        return gather_stage_state(self.stage, self.stage_cfg.parallelism, local_states, self.model_config)
+        return self.layout.gather(local_states)
 
     def full_state_of(self, *other_ranks: dict[str, torch.Tensor], grads: bool = False) -> dict[str, torch.Tensor]:
         """`full_state` with this rank's own local state first (the others arrive as object refs)."""
@@ -271,14 +250,6 @@ class StageWorker(DistributedWorker):
         out = {self.model.hf_name(n): t.contiguous() for n, t in state.items()}
         out = {name: t for name, t in out.items() if name not in tied}  # a tied lm_head is stored once
         return save_shard(out, Path(out_dir), f"model-{self.stage}.safetensors")
-
-
-def _assign_local_rows(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy each rank's checkpoint rows into its ZeRO-3 shard (a DTensor's local tensor)."""
-    own = module.state_dict()
-    with torch.no_grad():
-        for name, rows in state.items():
-            local_tensor(own[name]).copy_(rows)
 
 
 def _to_local(optim_state: dict[str, Any]) -> dict[str, Any]:

@@ -7,13 +7,11 @@ the same shape and order, so the vision stage can apply it to the tensor it prod
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
-from dhp.models.tensor_parallel import apply_tensor_parallel, tp_slice
 from dhp.stages.boundary import assemble, shard_gradients
 from dhp.stages.stage_worker import StageWorker, recorded
 
@@ -24,18 +22,6 @@ class TextWorker(StageWorker):
 
     def build_model(self, model_config: Any) -> TextModel:
         return TextModel(model_config)
-
-    def parallelize(self) -> None:
-        if self.stage_cfg.parallelism == "tensor":
-            apply_tensor_parallel(self.model, self.model_group)
-
-    def checkpoint_slicer(self):
-        if self.stage_cfg.parallelism != "tensor":
-            return super().checkpoint_slicer()
-        return functools.partial(tp_slice, rank=self.model_rank, tp=self.degree, config=self.model_config)
-
-    def zero3_units(self) -> list:
-        return list(self.model.language_model.layers)
 
     def _null_inputs(self) -> dict[str, torch.Tensor]:
         """Two text tokens, the second labelled: runs every layer and lm_head; used with loss_scale 0.

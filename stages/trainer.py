@@ -20,6 +20,7 @@ from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
 from dhp.models.export import read_meta, write_meta
+from dhp.models.layouts import stage_layout
 from dhp.models.weights import write_index
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, ConfigError, save_config
@@ -103,7 +104,7 @@ class Trainer:
             microbatch_tokens=d.microbatch_tokens,
             workers=d.preprocess_workers,
             num_cpus=d.preprocess_num_cpus,
-            vision_sp=cfg.vision.degree if cfg.vision.parallelism == "sequence" else 0,
+            vision_sp=self.vision.layout.loader_shards,
         )
         self.loaders = [  # one disjoint sample stream per data-parallel replica
             loader_cls.remote(train_paths, seed=d.shuffle_seed, replica=r, num_replicas=self.dp, **common)
@@ -119,8 +120,13 @@ class Trainer:
             num_cpus=s.num_cpus_per_actor, num_gpus=s.num_gpus_per_actor, torch_threads=s.torch_threads,
             degree=s.degree, placement=getattr(self.placement, stage),
         )
-        pool.parallelism = s.parallelism
+        pool.layout = stage_layout(self.cfg, stage, self.model_config)
         return pool
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every replica must run every call (a pool's layout has collectives across replicas)."""
+        return self.vision.layout.lockstep or self.text.layout.lockstep
 
     def pools(self) -> list[tuple[str, VisionPool | TextPool]]:
         return [("vision", self.vision), ("text", self.text)]
@@ -155,9 +161,10 @@ class Trainer:
         return sum(ray.get([loss for loss in losses if loss is not None]))
 
     def _lockstep(self, batches: list[GlobalBatch]) -> list[list[MicroBatch | None]]:
-        """Each replica's micro-batches; under ZeRO-3, short replicas padded with None to the longest."""
+        """Each replica's micro-batches; under a lockstep layout (ZeRO-3), short replicas padded with None
+        to the longest."""
         mbs = [list(b.microbatches) for b in batches]
-        if self.vision.zero3 or self.text.zero3:
+        if self.lockstep:
             n = max(map(len, mbs))
             mbs = [m + [None] * (n - len(m)) for m in mbs]
         return mbs
@@ -227,9 +234,9 @@ class Trainer:
                 if batch is None:
                     break
                 self._eval_batches.append(batch)
-        # On replica 0: evaluation is small and needs no gradient sync. Under ZeRO-3 every replica runs
-        # the same batches (the per-block all-gathers span the pool) and replica 0's sums are taken.
-        replicas = range(self.dp) if self.vision.zero3 or self.text.zero3 else range(1)
+        # On replica 0: evaluation is small and needs no gradient sync. Under a lockstep layout every replica
+        # runs the same batches (ZeRO-3's per-block all-gathers span the pool) and replica 0's sums are taken.
+        replicas = range(self.dp) if self.lockstep else range(1)
         sums, count = [], 0
         for batch in self._eval_batches:
             for mb in batch.microbatches:

@@ -8,14 +8,11 @@ until `backward` receives d(loss)/d(embeddings) of the same shape from the text 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.sequence_parallel import check_sp_degree, plan_shards, sp_vision_forward
-from dhp.models.vision_tensor_parallel import apply_vision_tensor_parallel, vision_tp_slice
 from dhp.stages.stage_worker import StageWorker, recorded
 
 
@@ -30,42 +27,12 @@ class VisionWorker(StageWorker):
     def build_model(self, model_config: Any) -> VisionModel:
         return VisionModel(model_config)
 
-    def parallelize(self) -> None:
-        if self.stage_cfg.parallelism == "tensor":
-            apply_vision_tensor_parallel(self.model, self.model_group)
-        if self.stage_cfg.parallelism == "sequence":
-            check_sp_degree(self.model_config.vision_config.num_heads, self.degree)
-            # SP ranks see different patches: their parameter gradients are partial sums over the
-            # sequence, summed over the whole pool (SP x DP) before the step.
-            self.grad_sync_group = None
-
-    def checkpoint_slicer(self):
-        if self.stage_cfg.parallelism != "tensor":
-            return super().checkpoint_slicer()
-        vision_config = self.model_config.vision_config
-        return functools.partial(vision_tp_slice, rank=self.model_rank, tp=self.degree, vision_config=vision_config)
-
-    def zero_group(self) -> Any:
-        """ZeRO-1 over the whole pool under SP: every rank holds the same summed gradients after `sync_grads`.
-
-        torch's ZeroRedundancyOptimizer rather than DeepSpeed ZeRO-1, measured (DeepSpeed 0.19.8, CPU/gloo):
-        both give exact parity, but DeepSpeed has no API for an externally computed clip coefficient (the
-        global norm spans two pools; it needs its private `loss_scale`/`averaged_gradients`), its gradient
-        flush must stay open across Ray calls (`coalesce_grad_reduction`), and it JIT-builds a comm op
-        (~90 s on 2 cores) on every fresh machine. Costs: whole-parameter partitions, all-reduce + broadcast
-        instead of reduce-scatter + all-gather.
-        """
-        return None if self.stage_cfg.parallelism == "sequence" and self.world_size > 1 else False
-
-    def zero3_units(self) -> list:
-        return [*self.model.visual.blocks, self.model.visual.merger]
-
     def _placeholder(self) -> dict[str, torch.Tensor]:
         """One 28x28 image of zeros (4 patches, 1 merged token).
 
-        Under ZeRO-3 a rank with no image in a micro-batch (or a padding micro-batch) still has to join
-        every block's all-gather and reduce-scatter (invariant 2): it encodes this, sends nothing on and
-        backpropagates zeros through it, so every gradient it adds is exactly 0.
+        Under a lockstep layout (ZeRO-3) a rank with no image in a micro-batch (or a padding micro-batch)
+        still has to join every block's all-gather and reduce-scatter (invariant 2): it encodes this, sends
+        nothing on and backpropagates zeros through it, so every gradient it adds is exactly 0.
         """
         v = self.model_config.vision_config
         patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
@@ -73,15 +40,11 @@ class VisionWorker(StageWorker):
 
     def _encode(self, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """This rank's merged tokens: all of them, or (SP) its window-ordered shard [S_r / 4, D]."""
-        if inputs is None or (self.zero3 and inputs["image_grid_thw"].numel() == 0):
+        if inputs is None or (self.layout.lockstep and inputs["image_grid_thw"].numel() == 0):
             return self._encode(self._placeholder())[:0]  # rows of nothing, graph of everything
         pixels, grid = inputs["pixel_values"].to(self.device), inputs["image_grid_thw"]
         with self.autocast():
-            if self.stage_cfg.parallelism != "sequence" or grid.numel() == 0:
-                return self.model(pixels, grid.to(self.device))
-            # Every rank of the replica has the same grid, so the same plan and the same collectives.
-            plan = plan_shards(grid, self.degree, self.model_config)
-            return sp_vision_forward(self.model.visual, pixels, grid, plan, self.model_rank, self.model_group)
+            return self.layout.vision_forward(self.model, pixels, grid, self.ranks)
 
     @recorded("forward")
     def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:

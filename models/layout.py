@@ -1,0 +1,238 @@
+"""What a stage layout is: the one interface every parallelism implements, and the pool coordinates it reads.
+
+A *layout* says how one stage (vision or text) of the model is spread over its pool of `num_actors` ranks:
+`degree` consecutive ranks form a model-parallel group (one data-parallel *replica*), and there are
+`dp = num_actors // degree` replicas. Everything the rest of dhp needs to know about a parallelism is
+answered by its layout object, so a new mode is one subclass in one file plus its parity test:
+
+  config time (driver, no process groups)
+    `check_degree(stage, degree)`   classmethod: why this degree cannot run (None if it can)
+    `check_shape(model_config)`     ValueError naming the valid degrees when the model cannot be split
+    `lockstep`                      every replica must run every call (its collectives span replicas)
+    `spans_pool`                    one copy of the model is spread over the whole pool
+    `loader_shards`                 > 0: the loader cuts each vision micro-batch into this many rank parts
+    `state_ranks(replica)`          the pool ranks whose local states make one full copy
+  boundary (driver: which calls each rank gets, whose output crosses to the other pool; stages/boundary.py)
+    `rank_inputs(inputs)`           the per-rank vision inputs of a replica from the loader's parts
+    `crossing(outputs)`             which ranks' outputs cross the boundary
+    `rank_grads(grads)`             the per-rank gradients of those outputs on the way back
+  worker time (inside the pool's process groups, `PoolRanks`)
+    `apply(model, ranks)`           parallelize the stage's module in place (torchtitan's `parallelize`)
+    `slicer(rank, full_shapes)`     name -> index of this rank's part of a full tensor (None: whole); the
+                                    same answer serves checkpoint loading, materialisation and export
+    `assign_loaded`                 None, or how loaded parts are copied into parameters (not plain tensors)
+    `grad_sync_group(ranks)`        the group gradients are summed over before the step (SKIP_SYNC: none)
+    `optimizer_shard_group(ranks)`  the group AdamW state is sharded over ZeRO-1 style (NOT_SHARDED: none)
+    `reports_grad_norm(ranks, p)`   whether this rank counts parameter p's gradient in the global norm
+    `vision_forward(...)`           the vision encoder's forward on this rank's inputs
+    `gather(local_states)`          full tensors from the `state_ranks`' local states (export, checkpoints)
+  bytes (`dhp bench layouts` and the memory plan)
+    `state_numel(full_shapes, rank)` elements of parameters this rank holds; `optimizer_fraction`
+    `vit_comm_bytes / vit_grad_sync_bytes / vit_activation_bytes`  the ViT formulas (docs/layouts.md)
+
+`models/layouts.py` maps a layout name to its class; nothing else compares layout names.
+See docs/architecture.md for the walk-through and the example to copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+SKIP_SYNC = "skip"  # grad_sync_group: the layout sums gradients itself (FSDP's reduce-scatter)
+NOT_SHARDED = False  # optimizer_shard_group: a plain, replicated optimizer
+PIXELS = 1176  # values per ViT patch (3 x 2 x 14 x 14)
+
+
+class PoolRanks(NamedTuple):
+    """A rank's coordinates in its pool (made by `stages/actor_group.py` once the groups exist).
+
+    `model_group`: the `degree` ranks of its replica; `dp_group`: the ranks at the same model-parallel
+    position in every replica; None as a group means the pool's whole (default) group.
+    """
+
+    rank: int
+    world_size: int
+    degree: int
+    replica: int
+    model_rank: int
+    model_group: Any
+    dp_group: Any
+    device: torch.device
+
+
+class VitShape(NamedTuple("VitShape", [(f, int) for f in ("depth", "full", "d", "h", "i", "o")])):
+    """The ViT dimensions the byte formulas need: depth, full-attention blocks, hidden, heads, MLP, out."""
+
+    @classmethod
+    def of(cls, v: dict) -> VitShape:
+        dims = (v[k] for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
+        return cls(v["depth"], len(v["fullatt_block_indexes"]), *dims)
+
+    def param_rows(self) -> list[tuple[int, int]]:
+        """(dim-0 rows, elements per row) of every ViT parameter: patch embed, blocks, merger."""
+        d, i, o = self.d, self.i, self.o
+        norms, attn = [(d, 1), (d, 1)], [(3 * d, d), (3 * d, 1), (d, d), (d, 1)]
+        mlp = [(i, d), (i, 1), (i, d), (i, 1), (d, i), (d, 1)]
+        merger = [(d, 1), (4 * d, 4 * d), (4 * d, 1), (o, 4 * d), (o, 1)]
+        return [(d, PIXELS), *(norms + attn + mlp) * self.depth, *merger]
+
+    def params(self, pad_to: int = 1) -> int:
+        """Parameter count; with pad_to=N, each padded to a multiple of N rows, as FSDP2 shards them."""
+        return sum(-(-rows // pad_to) * pad_to * per_row for rows, per_row in self.param_rows())
+
+    def replicated_params(self) -> int:
+        """Replicated under ViT tensor parallelism: norms, row-parallel biases, patch embed, ln_q, merger bias."""
+        return PIXELS * self.d + self.depth * 4 * self.d + self.d + self.o
+
+    def activation_elements(self) -> tuple[int, int]:
+        """(replicated, shardable) saved-for-backward elements per patch, counted from transformers' modules."""
+        hd, d = self.d // self.h, self.d
+        norm = 3 * d + 1  # RMSNorm keeps x, rsqrt, x * rsqrt; its output is saved by the next Linear
+        attn = 7 * d + self.h  # q_rot, k_rot, the qkv output (v is a view of it), attention out, proj input; lse
+        mlp = 4 * self.i  # gate, act(gate), up, act * up
+        merger_mlp = 2 * d  # GELU input and output, [P/4, 4D] each
+        full = PIXELS + 2 * hd + self.depth * 2 * norm + norm  # pixels, cos/sin, the norms, ln_q
+        return full, self.depth * (attn + mlp) + merger_mlp
+
+
+class Layout:
+    """The base is the plain data-parallel behaviour; each parallelism overrides what it changes."""
+
+    name: ClassVar[str] = ""
+    stages: ClassVar[tuple[str, ...]] = ()  # the stages it can lay out
+    lockstep: ClassVar[bool] = False
+    spans_pool: ClassVar[bool] = False
+    assign_loaded: ClassVar[Any] = None
+
+    def __init__(self, stage: str, degree: int = 1, num_actors: int = 1, model_config: Any = None):
+        self.stage, self.degree, self.num_actors, self.model_config = stage, degree, num_actors, model_config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.stage}, degree={self.degree}, num_actors={self.num_actors})"
+
+    @property
+    def dp(self) -> int:
+        return self.num_actors // self.degree
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks that share one copy of the model's state: the model-parallel group, or the pool."""
+        return self.num_actors if self.spans_pool else self.degree
+
+    @classmethod
+    def of_size(cls, stage: str, n: int, model_config: Any = None) -> Layout:
+        """This layout over n ranks holding one copy (one replica; for `spans_pool`, n replicas)."""
+        return cls(stage, 1 if cls.spans_pool else n, n, model_config)
+
+    # --- config time ------------------------------------------------------------------------------------
+
+    @classmethod
+    def check_degree(cls, stage: str, degree: int) -> str | None:
+        return None
+
+    def check_shape(self, model_config: Any) -> None:
+        """Raise ValueError when this model cannot be laid out at this degree."""
+
+    @property
+    def loader_shards(self) -> int:
+        return 0
+
+    def state_ranks(self, replica: int = 0) -> list[int]:
+        if self.spans_pool:
+            return list(range(self.num_actors))
+        return list(range(replica * self.degree, (replica + 1) * self.degree))
+
+    # --- boundary (driver side) -------------------------------------------------------------------------
+
+    def rank_inputs(self, inputs: list | None) -> list:
+        """Per-rank inputs of one replica's vision call; `inputs` None is a padding micro-batch, which
+        only a lockstep layout acts on (every rank encodes a placeholder)."""
+        if inputs is None:
+            return [None] * self.degree if self.lockstep else []
+        return list(inputs)
+
+    def crossing(self, outputs: list) -> list:
+        return outputs
+
+    def rank_grads(self, grads: list) -> list:
+        """grads[j]: d loss / d crossing output j; none at all only for a padding micro-batch."""
+        if not grads and self.lockstep:
+            return [None] * self.degree
+        return grads
+
+    # --- worker time -----------------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module, ranks: PoolRanks) -> None:
+        """Parallelize `model` (identical on every rank) in place; build the optimizer afterwards."""
+
+    def slicer(self, rank: int, full_shapes: dict[str, torch.Size]):
+        """name -> index of pool rank `rank`'s part of the full tensor (None: whole), or None if unsharded."""
+        return None
+
+    def grad_sync_group(self, ranks: PoolRanks) -> Any:
+        return ranks.dp_group
+
+    def optimizer_shard_group(self, ranks: PoolRanks) -> Any:
+        return NOT_SHARDED
+
+    def reports_grad_norm(self, ranks: PoolRanks, param: nn.Parameter) -> bool:
+        """Replicas hold identical gradients after the sync: replica 0 reports. Inside it a sharded
+        parameter (`_dhp_sharded`) counts on every rank, a replicated one on model-parallel rank 0."""
+        return ranks.replica == 0 and (getattr(param, "_dhp_sharded", False) or ranks.model_rank == 0)
+
+    def unsynced_replicated(self, model: nn.Module) -> list[nn.Parameter]:
+        """Parameters replicated over a replica's ranks that dhp never all-reduces there (identical grads)."""
+        return []
+
+    def vision_forward(self, model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor, ranks: PoolRanks):
+        """This rank's merged tokens of its inputs (`model`: the stage's `VisionModel`); all of them unless
+        the layout shards the sequence."""
+        return model(pixels, grid.to(pixels.device))
+
+    def gather(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Full tensors from the local states of `state_ranks`, in rank order; replicated: the first."""
+        return local_states[0]
+
+    # --- bytes -----------------------------------------------------------------------------------------
+
+    def state_numel(self, full_shapes: dict[str, torch.Size], rank: int = 0) -> int:
+        """Elements of `full_shapes` pool rank `rank` holds, from the slicer alone: no allocation."""
+        slicer = self.slicer(rank, full_shapes)
+        total = 0
+        for name, shape in full_shapes.items():
+            idx = slicer(name) if slicer else None
+            total += _index_numel(shape, idx)
+        return total
+
+    @property
+    def optimizer_fraction(self) -> float:
+        """Share of its parameters' optimizer state a rank keeps (ZeRO-1 shards it over a group)."""
+        return 1.0
+
+    def vit_comm_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """Activation-collective bytes one rank sends per micro-batch (forward + backward)."""
+        return 0.0
+
+    def vit_grad_sync_bytes(self, s: VitShape, b: int) -> float:
+        """Gradient/parameter synchronisation bytes per rank (per step; `spans_pool`: per micro-batch)."""
+        return 0.0
+
+    def vit_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """Saved-for-backward bytes per rank; the window index and its inverse are int64 [P/4] each."""
+        full, sharded = s.activation_elements()
+        return (full + sharded) * patches * b + patches / 4 * 8 * 2
+
+
+def _index_numel(shape: torch.Size, idx) -> int:
+    if idx is None:
+        return math.prod(shape)
+    parts = idx if isinstance(idx, list) else [idx]
+    total = 0
+    for part in parts:
+        dims = [len(range(*part[d].indices(n))) if d < len(part) else n for d, n in enumerate(shape)]
+        total += math.prod(dims)
+    return total
