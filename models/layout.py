@@ -17,7 +17,9 @@ answered by its layout object, so a new mode is one subclass in one file plus it
     `crossing(outputs)`             which ranks' outputs cross the boundary
     `rank_grads(grads)`             the per-rank gradients of those outputs on the way back
   worker time (inside the pool's process groups, `PoolRanks`)
-    `apply(model, ranks)`           parallelize the stage's module in place (torchtitan's `parallelize`)
+    `apply(model, ranks)`           parallelize the stage's module in place (torchtitan's `parallelize`);
+                                    workers apply it to a `meta` model (models/materialize.py)
+    `materialize(model, device)`    allocate what this rank holds after `apply` (values: loaded or replayed)
     `slicer(rank, full_shapes)`     name -> index of this rank's part of a full tensor (None: whole); the
                                     same answer serves checkpoint loading, materialisation and export
     `assign_loaded`                 None, or how loaded parts are copied into parameters (not plain tensors)
@@ -168,6 +170,12 @@ class Layout:
 
     def apply(self, model: nn.Module, ranks: PoolRanks) -> None:
         """Parallelize `model` (identical on every rank) in place; build the optimizer afterwards."""
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        """Allocate the laid-out meta parameters (models/materialize.py); values come after (load or init)."""
+        from dhp.models.materialize import materialize_params
+
+        materialize_params(model, device)
 
     def slicer(self, rank: int, full_shapes: dict[str, torch.Size]):
         """name -> index of pool rank `rank`'s part of the full tensor (None: whole), or None if unsharded."""

@@ -44,7 +44,8 @@ def apply_zero3(model: nn.Module, units: Iterable[nn.Module], world_size: int, d
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
-    model.to(device)
+    if not any(p.is_meta for p in model.parameters()):  # a meta model is materialised shard by shard afterwards
+        model.to(device)
     for unit in [*units, model]:  # the root last: it takes whatever no unit claimed (embeddings, lm_head)
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
         unit.set_gradient_divide_factor(1.0)
@@ -108,6 +109,11 @@ class Zero3(Layout):
 
     def apply(self, model: nn.Module, ranks: PoolRanks) -> None:
         apply_zero3(model, model.shard_units(), ranks.world_size, ranks.device)
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        from dhp.models.materialize import materialize_sharded
+
+        materialize_sharded(model, device)
 
     def slicer(self, rank: int, full_shapes: dict[str, torch.Size]):
         return lambda name: zero3_slice(rank, self.num_actors, full_shapes[name][0])

@@ -19,6 +19,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import stage_layout
+from dhp.models.materialize import build_on_meta, replay
 from dhp.models.weights import load_stage_weights, save_shard, tied_names
 from dhp.models.zero3 import local_tensor
 from dhp.stages.actor_group import DistributedWorker
@@ -94,22 +95,29 @@ class StageWorker(DistributedWorker):
         self.stage_cfg = getattr(cfg, self.stage)
 
     def setup(self) -> None:
-        """Build (same seed on every rank), apply the layout, load, then the optimizer over what this rank holds.
+        """Build on `meta` (same seed on every rank), apply the layout there, allocate only what this rank
+        holds, fill it (its checkpoint slices, or its part of the seeded init: models/materialize.py), then
+        the optimizer over what this rank holds. Peak host memory: this rank's tensors + one full tensor.
 
         Runs after the process groups exist, since the parallel layouts need them.
         """
-        torch.manual_seed(self.cfg.model.init_seed)
+        seed = self.cfg.model.init_seed
         self.recorder = EventRecorder(self.stage, self.rank)
         self.layout = stage_layout(self.cfg, self.stage, self.model_config)
-        self.model = self.build_model(self.model_config)
+        torch.manual_seed(seed)
+        self.model, recipe = build_on_meta(lambda: self.build_model(self.model_config))
         self.full_shapes = {n: t.shape for n, t in self.model.state_dict().items()}
-        self.layout.apply(self.model, self.ranks)
-        if self.cfg.model.path:  # after the layout is applied: a sharded rank reads only its own slices
+        self.layout.apply(self.model, self.ranks)  # on meta: shapes only
+        self.layout.materialize(self.model, self.device)  # this rank's tensors, uninitialised
+        slicer = self.layout.slicer(self.rank, self.full_shapes)
+        if self.cfg.model.path:  # a sharded rank reads only its own slices, one tensor at a time
             load_stage_weights(
                 self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes,
-                slicer=self.layout.slicer(self.rank, self.full_shapes), full_shapes=self.full_shapes,
-                assign=self.layout.assign_loaded,
+                slicer=slicer, full_shapes=self.full_shapes, assign=self.layout.assign_loaded,
             )
+        else:  # the seeded init of the full build, one full tensor at a time, this rank's part kept
+            torch.manual_seed(seed)
+            self._assign(replay(recipe, slicer))
         self.model.to(self.device).train()
         self.optimizer, self.scheduler = build_optimizer(
             self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.layout.optimizer_shard_group(self.ranks)
@@ -118,6 +126,12 @@ class StageWorker(DistributedWorker):
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
+
+    def _assign(self, state: dict[str, torch.Tensor]) -> None:
+        if self.layout.assign_loaded is not None:
+            self.layout.assign_loaded(self.model, state)
+        else:
+            self.model.load_state_dict(state, strict=False)  # replay covers every parameter (it checks)
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":
