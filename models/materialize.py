@@ -140,10 +140,13 @@ def replay(
             if w.op is not None:
                 w.op(full, *w.args, **w.kwargs)
             j += 1
+        parts: dict[str, torch.Tensor] = {}  # tied names with the same index share one part
         for name in recipe.names.get(first.target, []):
             if keep is None or keep(name):
                 idx = slicer(name) if slicer else None
-                out[name] = full if idx is None else read_part(full, idx).clone()
+                if repr(idx) not in parts:
+                    parts[repr(idx)] = full if idx is None else read_part(full, idx).clone()
+                out[name] = parts[repr(idx)]
         i = j
     missing = [n for names in recipe.names.values() for n in names if n not in out and (keep is None or keep(n))]
     if missing:
