@@ -24,7 +24,8 @@ answered by its layout object, so a new mode is one subclass in one file plus it
                                     same answer serves checkpoint loading, materialisation and export
     `assign_loaded`                 None, or how loaded parts are copied into parameters (not plain tensors)
     `grad_sync_group(ranks)`        the group gradients are summed over before the step (SKIP_SYNC: none)
-    `optimizer_shard_group(ranks)`  the group AdamW state is sharded over ZeRO-1 style (NOT_SHARDED: none)
+    `optimizer_shard_group(ranks)`  the group AdamW state is sharded over ZeRO-1 style (default: the data-
+                                    parallel replicas; NOT_SHARDED: none)
     `reports_grad_norm(ranks, p)`   whether this rank counts parameter p's gradient in the global norm
     `vision_forward(...)`           the vision encoder's forward on this rank's inputs
     `gather(local_states)`          full tensors from the `state_ranks`' local states (export, checkpoints)
@@ -185,7 +186,9 @@ class Layout:
         return ranks.dp_group
 
     def optimizer_shard_group(self, ranks: PoolRanks) -> Any:
-        return NOT_SHARDED
+        """ZeRO-1 over the data-parallel replicas: after the gradient sync they hold the same gradients of
+        the same tensors, so each keeps the AdamW moments of its share and broadcasts what it stepped."""
+        return ranks.dp_group if ranks.world_size // ranks.degree > 1 else NOT_SHARDED
 
     def reports_grad_norm(self, ranks: PoolRanks, param: nn.Parameter) -> bool:
         """Replicas hold identical gradients after the sync: replica 0 reports. Inside it a sharded
@@ -219,7 +222,7 @@ class Layout:
     @property
     def optimizer_fraction(self) -> float:
         """Share of its parameters' optimizer state a rank keeps (ZeRO-1 shards it over a group)."""
-        return 1.0
+        return 1.0 / self.dp
 
     def vit_comm_bytes(self, s: VitShape, patches: int, b: int) -> float:
         """Activation-collective bytes one rank sends per micro-batch (forward + backward)."""

@@ -34,7 +34,8 @@ class VisionModel(nn.Module):
 
     def __init__(self, config: Qwen2_5_VLConfig):
         super().__init__()
-        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        # fp32 whatever the config's `dtype` says: the stage's precision is dhp's setting (models/precision.py)
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config, dtype=torch.float32)
         self.out_dim = config.vision_config.out_hidden_size
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,8 @@ class TextModel(nn.Module):
     def __init__(self, config: Qwen2_5_VLConfig):
         super().__init__()
         text_config = config.text_config
-        self.language_model = Qwen2_5_VLTextModel._from_config(text_config)
+        # fp32 whatever the config's `dtype` says (models/precision.py)
+        self.language_model = Qwen2_5_VLTextModel._from_config(text_config, dtype=torch.float32)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.image_token_id = config.image_token_id
         if config.tie_word_embeddings:

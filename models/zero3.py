@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dhp.models.layout import SKIP_SYNC, Layout, PoolRanks, VitShape
+from dhp.models.layout import NOT_SHARDED, SKIP_SYNC, Layout, PoolRanks, VitShape
 
 
 def apply_zero3(model: nn.Module, units: Iterable[nn.Module], world_size: int, device: torch.device) -> None:
@@ -120,6 +120,13 @@ class Zero3(Layout):
 
     def grad_sync_group(self, ranks: PoolRanks) -> Any:
         return SKIP_SYNC
+
+    def optimizer_shard_group(self, ranks: PoolRanks) -> Any:
+        return NOT_SHARDED  # the moments are DTensors like their parameters: already sharded over the pool
+
+    @property
+    def optimizer_fraction(self) -> float:
+        return 1.0  # of what `state_numel` counts, which is already this rank's rows
 
     def reports_grad_norm(self, ranks: PoolRanks, param: nn.Parameter) -> bool:
         return True

@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export-hf", help="dhp checkpoint (per-rank shards) -> Hugging Face directory")
     export.add_argument("--checkpoint", required=True, help="RUN_DIR/checkpoints/step_N")
     export.add_argument("--out", required=True, help="output directory (from_pretrained loads it)")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB; MiB, bytes)")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     layouts = bench.add_parser("layouts", help="vision-encoder layouts: comm and activation bytes per rank")
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export-hf":
             from dhp.models.export import export_hf
 
-            weight_map = export_hf(args.checkpoint, args.out)
+            weight_map = export_hf(args.checkpoint, args.out, args.max_shard_size)
             print(f"{len(weight_map)} tensors written to {args.out}")
         elif args.command == "bench" and args.bench_command == "layouts":
             from dhp.scripts.bench_layouts import main as bench_layouts

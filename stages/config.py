@@ -28,7 +28,8 @@ class ModelConfig:
     path: str | None = None  # local HF checkpoint dir (config.json + *.safetensors); overrides `name`
     init_seed: int = 0  # seed of the random init when no `path` is given
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay fp32 (master)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype under fp32 precision (GPU autocast)
+    precision: Literal["fp32", "bf16"] = "fp32"  # model states: fp32 master (16 B/param) or pure bf16 (8 B/param)
     tokenizer_path: str | None = None  # tokenizer dir; default: `path`, else the built-in Qwen2.5 BPE
 
 
@@ -117,7 +118,8 @@ class RayConfig:
 class OutputConfig:
     dir: str = "runs"  # runs are written to dir/name
     name: str | None = None  # None: a timestamp
-    save_final_checkpoint: bool = True
+    save_final_checkpoint: bool = True  # RUN_DIR/checkpoint: the trained model as a Hugging Face dir
+    max_shard_size: str = "5GB"  # largest safetensors file of that dir (and of `dhp export-hf`): GB, MiB, bytes
     tensorboard: bool = True  # write TensorBoard event files to RUN_DIR/tensorboard
     peak_tflops: float | None = None  # per-actor peak for the MFU estimate; None: known GPU table, or measured on CPU
 
@@ -297,6 +299,12 @@ def validate(config: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    from dhp.models.hf_writer import parse_size
+
+    try:
+        parse_size(config.output.max_shard_size)
+    except ValueError as e:
+        raise ConfigError(f"output.max_shard_size: {e}") from None
 
 
 def save_config(config: Config, path: Path) -> None:

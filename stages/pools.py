@@ -98,11 +98,6 @@ class StagePool(ActorGroup):
     def optimizer_step(self, clip_coef: float) -> list[ray.ObjectRef]:
         return self.execute_all_async("optimizer_step", clip_coef)
 
-    def save_weights(self, out_dir: str) -> ray.ObjectRef:
-        """Rank 0 of replica 0 writes the stage's full tensors; the other ranks' shards go to it by ref."""
-        first, *others = self.state_ranks(0)
-        return first.save_weights.remote(out_dir, *[a.local_state.remote() for a in others])
-
 
 class VisionPool(StagePool):
     def forward(self, replica: int, mb_id: int, inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:

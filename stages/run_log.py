@@ -14,6 +14,7 @@ import ray
 from tqdm import tqdm
 
 from dhp.models.flops import actor_peak, step_flops
+from dhp.models.precision import precision_of
 from dhp.stages.config import Config
 
 
@@ -35,7 +36,8 @@ def peak_of(cfg: Config, trainer: Any) -> Peak:
         if cfg.output.peak_tflops is not None:
             per_stage[stage] = {"tflops": cfg.output.peak_tflops, "device": "output.peak_tflops", "gpu": False}
         else:
-            per_stage[stage] = ray.get(pool.actors[0].__ray_call__.remote(actor_peak, cfg.model.dtype))
+            dtype = precision_of(cfg.model.precision).compute_dtype(cfg.model.dtype)
+            per_stage[stage] = ray.get(pool.actors[0].__ray_call__.remote(actor_peak, dtype))
             per_stage[stage]["device"] += f", {per_stage[stage]['source']}"
     measured = [p for p in per_stage.values() if "measured" in p.get("source", "")]
     for p in measured:  # the same device measured twice: the better window is the nearer one to its peak

@@ -1,14 +1,13 @@
 """What every stage worker shares: model construction, the optimizer, clipping, weight export.
 
-Parameters are kept in fp32 (they are the master weights); on GPU the forward runs under bf16 autocast
-when `model.dtype: bfloat16`. AdamW + warmup/cosine come from torch and transformers. Gradient clipping
-is by the global norm over *both* stages: each worker reports its squared norm, the driver adds them
-and hands every worker the same clip coefficient.
+Model states are kept in the precision `model.precision` names (models/precision.py: fp32 master weights,
+gradients and moments, with bf16 autocast on GPU when `model.dtype: bfloat16`; or pure bf16). AdamW +
+warmup/cosine come from torch and transformers. Gradient clipping is by the global norm over *both* stages:
+each worker reports its squared norm, the driver adds them and hands every worker the same clip coefficient.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import stage_layout
 from dhp.models.materialize import build_on_meta, replay
-from dhp.models.weights import load_stage_weights, save_shard, tied_names
+from dhp.models.precision import precision_of
+from dhp.models.weights import load_stage_weights, save_shard
 from dhp.models.zero3 import local_tensor
 from dhp.stages.actor_group import DistributedWorker
 from dhp.stages.config import Config
@@ -58,6 +58,23 @@ def build_optimizer(module: nn.Module, cfg: Config, lr_scale: float = 1.0, zero_
         optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps, min_lr_rate=t.min_lr_ratio
     )
     return optimizer, scheduler
+
+
+SYNC_BUCKET_BYTES = 64 << 20
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of tensors of one dtype whose bytes add up to at most `limit` (a larger one alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if not out or size + n > limit or out[-1][0].dtype != t.dtype:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
@@ -104,9 +121,11 @@ class StageWorker(DistributedWorker):
         seed = self.cfg.model.init_seed
         self.recorder = EventRecorder(self.stage, self.rank)
         self.layout = stage_layout(self.cfg, self.stage, self.model_config)
+        self.precision = precision_of(self.cfg.model.precision)
         torch.manual_seed(seed)
         self.model, recipe = build_on_meta(lambda: self.build_model(self.model_config))
         self.full_shapes = {n: t.shape for n, t in self.model.state_dict().items()}
+        self.precision.cast(self.model)  # values below (loaded or replayed in fp32) are copied in this dtype
         self.layout.apply(self.model, self.ranks)  # on meta: shapes only
         self.layout.materialize(self.model, self.device)  # this rank's tensors, uninitialised
         slicer = self.layout.slicer(self.rank, self.full_shapes)
@@ -134,16 +153,28 @@ class StageWorker(DistributedWorker):
             self.model.load_state_dict(state, strict=False)  # replay covers every parameter (it checks)
 
     def autocast(self):
-        if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.precision.autocast(self.device, self.cfg.model.dtype)
+
+    def state_dtypes(self) -> dict[str, Any]:
+        """Dtypes of this rank's parameters and optimizer states, and how many parameters' states it holds."""
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's partition
+        states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim]
+        return {
+            "params": {n: str(p.dtype) for n, p in self.model.named_parameters()},
+            "optimizer": sorted({str(v.dtype) for v in states}),
+            "params_with_state": len(optimizer.state),
+            "params_total": sum(1 for _ in self.model.parameters()),
+        }
 
     def sync_grads(self) -> None:
         """Sum gradients over the layout's `grad_sync_group` (data-parallel replicas; the whole pool under
-        SP), flat.
+        SP), in buckets of at most `SYNC_BUCKET_BYTES`: a tensor at least that large is all-reduced in place,
+        smaller ones are packed together (one flat buffer per bucket, never one of the whole model: that
+        was +16 GB per text rank at 32B). Buckets depend only on the parameters' shapes: the same on every
+        rank of the group.
 
         A parameter that got no gradient on this rank (e.g. a replica whose micro-batches held no image)
-        contributes zeros, so every rank all-reduces the same buffer (invariant 2: no data-dependent
+        contributes zeros, so every rank all-reduces the same buffers (invariant 2: no data-dependent
         collectives).
         """
         import torch.distributed as dist
@@ -158,10 +189,14 @@ class StageWorker(DistributedWorker):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
-        dist.all_reduce(flat, group=group)
-        for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
-            p.grad.copy_(synced)
+        for bucket in _buckets([p.grad for p in params], SYNC_BUCKET_BYTES):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                dist.all_reduce(bucket[0], group=group)
+                continue
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(synced)
 
     @recorded("grad_norm")
     def grad_sq_norm(self) -> float:
@@ -252,18 +287,6 @@ class StageWorker(DistributedWorker):
         torch.set_rng_state(state["rng"])
         if self.device.type == "cuda" and state["cuda_rng"].numel():
             torch.cuda.set_rng_state(state["cuda_rng"])
-
-    def save_weights(self, out_dir: str, *other_ranks: dict[str, torch.Tensor]) -> dict[str, str]:
-        """Write this stage as one shard of an HF checkpoint dir; returns its weight_map.
-
-        Called on model-parallel rank 0 of replica 0 with the other ranks' `local_state`s (passed as
-        object refs by the driver, resolved here: actor to actor).
-        """
-        state = self.full_state_of(*other_ranks)
-        tied = tied_names(self.model, self.model.hf_name)
-        out = {self.model.hf_name(n): t.contiguous() for n, t in state.items()}
-        out = {name: t for name, t in out.items() if name not in tied}  # a tied lm_head is stored once
-        return save_shard(out, Path(out_dir), f"model-{self.stage}.safetensors")
 
 
 def _to_local(optim_state: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,8 @@ from dhp.dataflow.loader import BatchLoader, GlobalBatch, MicroBatch
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
-from dhp.models.export import read_meta, write_meta
+from dhp.models.export import export_hf, read_meta, write_meta
 from dhp.models.layouts import stage_layout
-from dhp.models.weights import write_index
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, ConfigError, save_config
 from dhp.stages.placement import describe, place_pools
@@ -246,11 +246,17 @@ class Trainer:
         return sum(ray.get(sums)) / max(1, count)
 
     def save_weights(self, out_dir: Path) -> None:
-        """An HF checkpoint dir: one shard per stage, written by the actors, plus index and config."""
-        weight_map: dict[str, str] = {}
-        for shard in ray.get([pool.save_weights(str(out_dir)) for pool in (self.vision, self.text)]):
-            weight_map.update(shard)
-        write_index(out_dir, weight_map, self.model_config)
+        """An HF checkpoint dir in `output.max_shard_size` shards, streamed: the ranks of one model copy write
+        their own tensors (no gathering onto an actor), then the driver reassembles and writes one full
+        tensor at a time (models/export.py) and removes the rank files."""
+        staging = out_dir.parent / f".{out_dir.name}.ranks"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            ray.get([a.save_local.remote(str(staging)) for _, pool in self.pools() for a in pool.state_ranks(0)])
+            write_meta(staging, self.layout(), self.step, self.model_config)
+            export_hf(staging, out_dir, self.cfg.output.max_shard_size)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def layout(self) -> dict[str, dict[str, Any]]:
         return {

@@ -219,7 +219,9 @@ def test_export_hf_matches_dhp_model(parity_setup, ray_session, tmp_path, layout
     rank_files = sorted(p.name for p in dhp_ckpt.glob("*-rank*.safetensors"))
     assert rank_files == [f"{s}-rank{r:05d}.safetensors" for s in ("text", "vision") for r in range(2)]
 
-    assert main(["export-hf", "--checkpoint", str(dhp_ckpt), "--out", str(tmp_path / "hf")]) == 0
+    out = ["--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"]
+    assert main(["export-hf", "--checkpoint", str(dhp_ckpt), *out]) == 0
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2  # from_pretrained reads them all
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf").float().eval()
     for name, p in hf.named_parameters():
         assert torch.equal(p.detach(), params[name]), name

@@ -1,0 +1,128 @@
+"""Hugging Face safetensors shards written one tensor at a time.
+
+`safetensors.save_file` takes a dict of every tensor of the file, so a 5 GB shard means 5 GB in memory (and
+today's one-file-per-stage export meant the whole stage: ~64 GB for the 32B text stage). The format is
+simple enough to stream: an 8-byte little-endian header length, a JSON header giving each tensor's dtype,
+shape and byte range, then the raw bytes in that order. With every tensor's name, shape and dtype known up
+front (from the rank files' headers, or the meta model), the shards and their headers are planned first
+(`plan_shards`: in order, a new file when the next tensor would pass `max_shard_size`, a larger tensor alone
+in its own, as transformers' `save_pretrained` does), and then each tensor is produced, written and dropped
+(`write_shards`): a process never holds more than the tensor being written (plus what produces it).
+
+Files are named `model-00001-of-0000N.safetensors` with `model.safetensors.index.json` (`total_size`: the
+bytes of all tensors), the layout `from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dhp.models.weights import INDEX_FILE
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' default
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPE_OF = {v: k for k, v in _DTYPES.items()}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of `5GB` / `500MiB` / `1000` (transformers' convention: GB = 10^9, GiB = 2^30)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"max shard size {size!r}: expected bytes or a number with KB/MB/GB/KiB/MiB/GiB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"max shard size {size!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the output: its checkpoint name, full shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
+    """Consecutive entries grouped into files of at most `max_shard_size` bytes of tensor data."""
+    shards: list[list[Entry]] = []
+    size = 0
+    for e in entries:
+        if not shards or (size + e.nbytes > max_shard_size and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def _header(entries: list[Entry]) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        end = offset + e.nbytes
+        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_shards(
+    out_dir: str | Path, entries: list[Entry], produce: Callable[[Entry], torch.Tensor], max_shard_size: int | str
+) -> dict[str, str]:
+    """Write `entries` as HF shards plus the index, calling `produce(entry)` for one tensor at a time (it must
+    return exactly that shape and dtype); returns the weight_map. A stale shard or index is replaced."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards(entries, parse_size(max_shard_size))
+    names = {shard_name(i, len(shards)) for i in range(len(shards))}
+    for stale in out.glob("model*.safetensors"):  # an earlier export's files would shadow or confuse the index
+        if stale.name not in names:
+            stale.unlink()
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        name = shard_name(i, len(shards))
+        header = _header(shard)
+        with open(out / name, "wb") as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for e in shard:
+                t = produce(e)
+                if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                    raise ValueError(f"{e.name}: produced {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
+                del t
+                weight_map[e.name] = name
+    (out / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))},
+        indent=1,
+    ))
+    return weight_map
