@@ -32,7 +32,7 @@ _VISION_7B_CLASS = dict(  # the ViT is the same 32-block, 1280-wide encoder in e
 def _released_text(
     vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tie: bool
 ) -> dict[str, Any]:
-    """Text config of a released size: only these numbers differ between 3B, 7B and 32B."""
+    """Text config of a released size: only these numbers differ between 3B, 7B, 32B and 72B."""
     return dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -77,6 +77,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2_5_vl_32b": dict(
         vision=dict(_VISION_7B_CLASS, intermediate_size=3456, out_hidden_size=5120),
         text=_released_text(152064, 5120, 27648, layers=64, heads=40, kv_heads=8, tie=False),
+    ),
+    "qwen2_5_vl_72b": dict(
+        vision=dict(_VISION_7B_CLASS, intermediate_size=3456, out_hidden_size=8192),
+        text=_released_text(152064, 8192, 29568, layers=80, heads=64, kv_heads=8, tie=False),
     ),
 }
 

@@ -67,6 +67,26 @@ class PoolRanks(NamedTuple):
     device: torch.device
 
 
+def pool_ranks(rank: int, world_size: int, degree: int, device: torch.device) -> PoolRanks:
+    """A rank's coordinates and groups, once the pool's default process group exists: model-parallel groups
+    of `degree` consecutive ranks (one per data-parallel replica) and data-parallel groups (the same position
+    across replicas). Every rank creates every group in the same order, as `new_group` requires."""
+    import torch.distributed as dist
+
+    dp = world_size // degree
+    replica, model_rank = divmod(rank, degree)
+    model_group = dp_group = None
+    for r in range(dp):
+        group = dist.new_group(list(range(r * degree, (r + 1) * degree)))
+        if r == replica:
+            model_group = group
+    for m in range(degree):
+        group = dist.new_group([m + r * degree for r in range(dp)])
+        if m == model_rank:
+            dp_group = group
+    return PoolRanks(rank, world_size, degree, replica, model_rank, model_group, dp_group, device)
+
+
 class VitShape(NamedTuple("VitShape", [(f, int) for f in ("depth", "full", "d", "h", "i", "o")])):
     """The ViT dimensions the byte formulas need: depth, full-attention blocks, hidden, heads, MLP, out."""
 

@@ -113,7 +113,10 @@ def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, InitRecipe
 
 
 def replay(
-    recipe: InitRecipe, slicer: Callable[[str], Any] | None = None, keep: Callable[[str], bool] | None = None
+    recipe: InitRecipe,
+    slicer: Callable[[str], Any] | None = None,
+    keep: Callable[[str], bool] | None = None,
+    sink: Callable[[str, torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Initial values by parameter name: this rank's part of each (`slicer(name)`: an index, None = whole).
 
@@ -121,11 +124,14 @@ def replay(
     write is performed on a full-size CPU tensor in the recorded order, so the random stream is exactly
     that of the full build; only the part is kept. `keep(name)` False: generated (the stream needs it)
     but not kept. Writes to a storage no parameter kept (a Linear's weight replaced by a tied one) are
-    performed and dropped for the same reason.
+    performed and dropped for the same reason. `sink(name, part)`: called with each part as soon as it is
+    made, instead of collecting them (nothing is returned then: peak memory is one full tensor, not the
+    rank's whole state twice).
     """
     from dhp.models.tensor_parallel import read_part
 
     out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
     writes = recipe.writes
     i = 0
     while i < len(writes):
@@ -146,9 +152,13 @@ def replay(
                 idx = slicer(name) if slicer else None
                 if repr(idx) not in parts:
                     parts[repr(idx)] = full if idx is None else read_part(full, idx).clone()
-                out[name] = parts[repr(idx)]
+                if sink is None:
+                    out[name] = parts[repr(idx)]
+                else:
+                    sink(name, parts[repr(idx)])
+                done.add(name)
         i = j
-    missing = [n for names in recipe.names.values() for n in names if n not in out and (keep is None or keep(n))]
+    missing = [n for names in recipe.names.values() for n in names if n not in done and (keep is None or keep(n))]
     if missing:
         raise ValueError(f"meta build: nothing initialised {missing[:8]} ({len(missing)})")
     return out

@@ -32,6 +32,8 @@ class VisionModel(nn.Module):
     processor's order) and `grid_thw` [n_images, 3]. Output: [P / merge_size**2, text_hidden].
     """
 
+    checkpoint_prefixes = ("model.visual.",)  # the checkpoint names this stage owns (and loads)
+
     def __init__(self, config: Qwen2_5_VLConfig):
         super().__init__()
         # fp32 whatever the config's `dtype` says: the stage's precision is dhp's setting (models/precision.py)
@@ -59,6 +61,8 @@ class TextModel(nn.Module):
     `<|image_pad|>` positions of `input_ids` receive the rows of `vision_embeds` in order
     (`masked_scatter`, as in `Qwen2_5_VLModel.forward`); positions are the 3-D mRoPE ids.
     """
+
+    checkpoint_prefixes = ("model.language_model.", "lm_head.")
 
     def __init__(self, config: Qwen2_5_VLConfig):
         super().__init__()

@@ -70,8 +70,9 @@ def load_stage_weights(
     the module does not expect is reported, as is any expected tensor the checkpoint lacks.
     A sharded module passes `slicer` (module name -> index of this rank's part, None = whole tensor) and
     the unsharded `full_shapes`: each rank then reads only its slices (`get_slice`), never a full copy,
-    and the checkpoint's full shapes are still checked. `assign(module, state)` replaces the final
-    `load_state_dict` where parameters are not plain tensors (ZeRO-3: DTensors holding this rank's rows).
+    and the checkpoint's full shapes are still checked. Each tensor is copied into its parameter as soon
+    as it is read (`into_model`); `assign(module, {name: part})` does that where parameters are not plain
+    tensors (ZeRO-3: DTensors holding this rank's rows).
     """
     index = checkpoint_index(path)
     expected = {hf_name(n): n for n in module.state_dict(keep_vars=False)}
@@ -84,9 +85,8 @@ def load_stage_weights(
             f"checkpoint {path} does not match the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''}"
             f" ({len(missing)}), unexpected {unexpected[:8]} ({len(unexpected)})"
         )
-    own = module.state_dict()
-    shapes = full_shapes or {n: t.shape for n, t in own.items()}
-    state = {}
+    shapes = full_shapes or {n: t.shape for n, t in module.state_dict().items()}
+    put = into_model(module, assign)
     for name, local in expected.items():
         if name not in present:
             continue  # tied to a tensor loaded under its other name
@@ -99,13 +99,29 @@ def load_stage_weights(
                 )
             idx = slicer(local) if slicer else None
             if idx is None:
-                state[local] = f.get_tensor(stored_as)
+                value = f.get_tensor(stored_as)
             else:  # a list index (vision TP's fused qkv): its row blocks, read one by one, concatenated
-                state[local] = read_part(part, idx)
-    if assign is not None:
-        assign(module, state)
-    else:
-        module.load_state_dict(state, strict=not tied)
+                value = read_part(part, idx)
+        put(local, value)  # copied into the parameter now: the rank never holds its state twice
+
+
+def into_model(
+    module: nn.Module, assign: Callable[[nn.Module, dict[str, torch.Tensor]], None] | None = None
+) -> Callable[[str, torch.Tensor], None]:
+    """`put(name, value)`: copy one tensor (this rank's part, any dtype) into the module's tensor of that name,
+    checking its shape; `assign` instead where parameters are not plain tensors (ZeRO-3's DTensors)."""
+    own = module.state_dict()
+
+    def put(name: str, value: torch.Tensor) -> None:
+        if assign is not None:
+            assign(module, {name: value})
+            return
+        if own[name].shape != value.shape:
+            raise ValueError(f"{name}: this rank's part is {tuple(value.shape)}, its tensor {tuple(own[name].shape)}")
+        with torch.no_grad():
+            own[name].copy_(value)
+
+    return put
 
 
 def tied_names(module: nn.Module, hf_name) -> set[str]:

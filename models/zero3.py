@@ -79,7 +79,10 @@ def assign_local_rows(module: nn.Module, state: dict[str, torch.Tensor]) -> None
     own = module.state_dict()
     with torch.no_grad():
         for name, rows in state.items():
-            local_tensor(own[name]).copy_(rows)
+            target = local_tensor(own[name])
+            if target.shape != rows.shape:
+                raise ValueError(f"{name}: this rank's rows are {tuple(rows.shape)}, its shard {tuple(target.shape)}")
+            target.copy_(rows)
 
 
 class Zero3(Layout):

@@ -1,13 +1,15 @@
 """Peak host memory and time of building one rank's part of a stage, at any released size, in this process.
 
-    python -m dhp.scripts.measure_build --model qwen2_5_vl_3b --stage text --layout tensor --degree 4 [--rank 0]
+    python -m dhp.scripts.measure_build --model qwen2_5_vl_3b --stage text --layout tensor --degree 4 \
+        [--rank 0] [--path CHECKPOINT] [--precision fp32]
 
-Does what a stage worker does before its layout's hooks (models/materialize.py): build on `meta`, then
-replay the seeded init one full tensor at a time and keep rank `--rank`'s part (the layout's slicer). Prints
-one JSON row with the fields `dhp bench memory` will carry: model, stage, layout, degree, precision,
-held_bytes (what the rank keeps), largest_tensor_bytes, peak_rss_bytes (ru_maxrss of this process:
-interpreter, torch and transformers included), build_s. Run it in a fresh process per row: peak RSS
-only grows. The same shape built whole (`--whole`) is today's pattern, for comparison.
+Runs what a stage worker's setup runs (models/stage_build.py: meta build, precision, layout, allocation,
+then its checkpoint slices from `--path` or its part of the seeded init), as rank `--rank` of a pool of
+`--degree` ranks whose other members are a fake process group (torch's `fake` backend: collectives are
+no-ops, nothing else runs). Prints one JSON row with the fields of `dhp bench memory`: model, stage, layout,
+degree, precision, held_bytes (the rank's tensors), largest_tensor_bytes, peak_rss_bytes (ru_maxrss of this
+process: interpreter, torch and transformers included), build_s. Run it in a fresh process per row: peak
+RSS only grows. `--whole` builds the whole stage in fp32 instead (the pattern before issue 12).
 """
 
 from __future__ import annotations
@@ -20,37 +22,45 @@ import sys
 import time
 
 
-def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, whole: bool = False) -> dict:
+def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, whole: bool = False,
+            path: str | None = None, precision: str = "fp32") -> dict:
     import torch
 
     from dhp.models.architectures import architecture_config
     from dhp.models.layouts import layout_class
-    from dhp.models.materialize import build_on_meta, replay
+    from dhp.models.precision import precision_of
     from dhp.models.qwen2_5_vl import TextModel, VisionModel
+    from dhp.models.stage_build import build_stage
 
     torch.set_num_threads(1)
     config = architecture_config(model)
     cls = TextModel if stage == "text" else VisionModel
     lay = layout_class(stage, layout).of_size(stage, degree, config)  # zero3: a pool of `degree` ranks
     start = time.perf_counter()
-    torch.manual_seed(0)
     if whole:
-        parts = cls(config).state_dict()
-        shapes = {n: t.shape for n, t in parts.items()}
-    else:
-        meta, recipe = build_on_meta(lambda: cls(config))
-        shapes = {n: t.shape for n, t in meta.state_dict().items()}
         torch.manual_seed(0)
-        parts = replay(recipe, lay.slicer(rank, shapes))
+        module = cls(config)
+    else:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from dhp.models.layout import pool_ranks
+
+        dist.init_process_group("fake", rank=rank, world_size=degree, store=FakeStore())
+        ranks = pool_ranks(rank, degree, degree, torch.device("cpu"))
+        module, _ = build_stage(lambda: cls(config), lay, ranks, precision_of(precision), seed=0, path=path)
     build_s = time.perf_counter() - start
     seen, held = set(), 0
-    for t in parts.values():  # tied tensors once
+    for t in module.state_dict().values():  # tied tensors once; a DTensor (ZeRO-3) by its local rows
+        t = getattr(t, "_local_tensor", t)
         if t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             held += t.numel() * t.element_size()
+    shapes = {n: t.shape for n, t in module.state_dict().items()}
     return dict(
-        model=model, stage=stage, layout=layout, degree=degree, precision="fp32", rank=rank, whole=whole,
-        held_bytes=held, largest_tensor_bytes=max(math.prod(s) for s in shapes.values()) * 4,
+        model=model, stage=stage, layout=layout, degree=degree, precision="fp32" if whole else precision, rank=rank,
+        whole=whole, loaded=bool(path), held_bytes=held,
+        largest_tensor_bytes=max(math.prod(s) for s in shapes.values()) * 4,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, build_s=round(build_s, 2),
     )
 
@@ -63,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--degree", type=int, default=4, help="model-parallel degree (zero3: pool size)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--whole", action="store_true", help="build the whole stage in fp32 (the old pattern)")
+    p.add_argument("--path", default=None, help="load from this HF checkpoint dir instead of the seeded init")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 (models/precision.py)")
     args = p.parse_args(argv)
-    print(json.dumps(measure(args.model, args.stage, args.layout, args.degree, args.rank, args.whole)))
+    row = measure(args.model, args.stage, args.layout, args.degree, args.rank, args.whole, args.path, args.precision)
+    print(json.dumps(row))
     return 0
 
 

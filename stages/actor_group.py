@@ -15,7 +15,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dhp.models.layout import PoolRanks
+from dhp.models.layout import pool_ranks
 from dhp.stages import rendezvous
 
 
@@ -38,11 +38,7 @@ class DistributedWorker:
         return host, self._store_socket.getsockname()[1]
 
     def init_process_group(self, master_addr: str, master_port: int, degree: int = 1, timeout_s: float = 600) -> None:
-        """Join the pool's world, then split it into model-parallel groups (consecutive ranks, one per
-        data-parallel replica) and data-parallel groups (same position across replicas).
-
-        Every rank creates every group in the same order, as `new_group` requires.
-        """
+        """Join the pool's world, then split it into its model-parallel and data-parallel groups (`pool_ranks`)."""
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -53,20 +49,10 @@ class DistributedWorker:
         dist.init_process_group(
             backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
         )
+        self.ranks = pool_ranks(self.rank, self.world_size, degree, self.device)
         self.degree, self.dp = degree, self.world_size // degree
-        self.replica, self.model_rank = divmod(self.rank, degree)
-        for r in range(self.dp):
-            group = dist.new_group(list(range(r * degree, (r + 1) * degree)))
-            if r == self.replica:
-                self.model_group = group
-        for m in range(degree):
-            group = dist.new_group([m + r * degree for r in range(self.dp)])
-            if m == self.model_rank:
-                self.dp_group = group
-        self.ranks = PoolRanks(
-            self.rank, self.world_size, degree, self.replica, self.model_rank, self.model_group, self.dp_group,
-            self.device,
-        )
+        self.replica, self.model_rank = self.ranks.replica, self.ranks.model_rank
+        self.model_group, self.dp_group = self.ranks.model_group, self.ranks.dp_group
 
     def setup(self) -> None:
         """Work that needs the process groups (model construction in stage workers)."""

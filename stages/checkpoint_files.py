@@ -6,6 +6,10 @@ is written and fsynced *last*, and the directory is renamed into place (atomic o
 fsynced. A crash at any point leaves either no `step_N` or a complete one: a `.tmp-*` left behind is
 ignored and removed by the next save, and a `step_N` whose manifest is missing or disagrees with its files
 is never chosen.
+
+At real size a checkpoint is tens to hundreds of GB, so no single process hashes all of it: every rank hashes
+the files it wrote (`file_entry`, in parallel across the pool) and hands the entries to `commit`, which
+hashes only the driver's small files; `verify` hashes with a thread pool (hashlib releases the GIL).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MANIFEST = "MANIFEST.json"
@@ -28,6 +33,11 @@ def staging_dir(root: Path, step: int) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def file_entry(path: Path) -> dict[str, int | str]:
+    """The manifest entry of one file: its size and SHA-256 (what a rank returns for each file it wrote)."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _sha256(path: Path) -> str:
@@ -46,10 +56,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def commit(tmp: Path, keep_last: int) -> Path:
-    """fsync the files, write the manifest last, rename into place, prune; returns the final directory."""
+def commit(tmp: Path, keep_last: int, hashed: dict[str, dict[str, int | str]] | None = None) -> Path:
+    """fsync the files, write the manifest last, rename into place, prune; returns the final directory.
+
+    `hashed`: manifest entries the writers computed themselves (name relative to `tmp` -> `file_entry`);
+    only the other files are hashed here, and a listed file whose size changed since is an error."""
+    hashed = hashed or {}
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {}
+    for p in files:
+        name = str(p.relative_to(tmp))
+        entry = hashed.get(name)
+        if entry is not None and entry["size"] != p.stat().st_size:
+            raise RuntimeError(f"checkpoint file {p} changed after its writer hashed it")
+        manifest[name] = entry or file_entry(p)
     for p in files:
         _fsync(p)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -76,8 +96,13 @@ def verify(ckpt: Path) -> str | None:
         f = ckpt / name
         if not f.is_file():
             return f"{name} is missing"
-        if f.stat().st_size != want["size"] or _sha256(f) != want["sha256"]:
+        if f.stat().st_size != want["size"]:
             return f"{name} does not match its checksum"
+    names = sorted(manifest)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for name, digest in zip(names, pool.map(lambda n: _sha256(ckpt / n), names)):
+            if digest != manifest[name]["sha256"]:
+                return f"{name} does not match its checksum"
     return None
 
 

@@ -11,6 +11,7 @@
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M]   (pipelined vs serial steps)
     dhp bench recovery [--json PATH] [--quick]                (time to detect a killed actor and train again)
     dhp bench data [--json PATH] [--quick]                    (Ray Data preprocessing vs a plain loop; data wait)
+    dhp bench memory --json PATH [--quick] [--no-measure]     (bytes per rank by shape/layout/precision; build RSS)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -85,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     bdata = bench.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
     bdata.add_argument("--json", default=None, help="write the row here")
     bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
+    from dhp.scripts.bench_memory import add_parser as add_memory
+
+    add_memory(bench)
     return p
 
 
@@ -133,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_pipeline import main as bench_pipeline
 
             return bench_pipeline(args)
+        elif args.command == "bench" and args.bench_command == "memory":
+            from dhp.scripts.bench_memory import main as bench_memory
+
+            return bench_memory(args)
         elif args.command == "bench" and args.bench_command == "data":
             from dhp.scripts.bench_data import main as bench_data
 

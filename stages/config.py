@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"  # built-in shape: tiny | qwen2_5_vl_3b | qwen2_5_vl_7b | qwen2_5_vl_32b
+    name: str = "tiny"  # built-in shape: tiny | qwen2_5_vl_3b | qwen2_5_vl_7b | qwen2_5_vl_32b | qwen2_5_vl_72b
     path: str | None = None  # local HF checkpoint dir (config.json + *.safetensors); overrides `name`
     init_seed: int = 0  # seed of the random init when no `path` is given
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"

@@ -18,11 +18,12 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import stage_layout
-from dhp.models.materialize import build_on_meta, replay
 from dhp.models.precision import precision_of
-from dhp.models.weights import load_stage_weights, save_shard
+from dhp.models.stage_build import build_stage
+from dhp.models.weights import save_shard
 from dhp.models.zero3 import local_tensor
 from dhp.stages.actor_group import DistributedWorker
+from dhp.stages.checkpoint_files import file_entry
 from dhp.stages.config import Config
 from dhp.stages.trace import EventRecorder
 
@@ -104,7 +105,6 @@ class StageWorker(DistributedWorker):
     that depends on the stage's parallelism is asked of `self.layout` (models/layout.py)."""
 
     stage = ""  # "vision" | "text"
-    owned_prefixes: tuple[str, ...] = ()  # checkpoint-name prefixes this stage loads
 
     def __init__(self, cfg: Config, model_config: Any, rank: int, world_size: int, torch_threads: int = 1):
         super().__init__(rank, world_size, torch_threads)
@@ -112,32 +112,19 @@ class StageWorker(DistributedWorker):
         self.stage_cfg = getattr(cfg, self.stage)
 
     def setup(self) -> None:
-        """Build on `meta` (same seed on every rank), apply the layout there, allocate only what this rank
-        holds, fill it (its checkpoint slices, or its part of the seeded init: models/materialize.py), then
-        the optimizer over what this rank holds. Peak host memory: this rank's tensors + one full tensor.
+        """Build this rank's part of the stage (models/stage_build.py: on `meta`, laid out, only its own tensors
+        allocated and filled from its checkpoint slices or its part of the seeded init), then the optimizer
+        over what this rank holds. Peak host memory: this rank's tensors + one full tensor.
 
         Runs after the process groups exist, since the parallel layouts need them.
         """
-        seed = self.cfg.model.init_seed
         self.recorder = EventRecorder(self.stage, self.rank)
         self.layout = stage_layout(self.cfg, self.stage, self.model_config)
         self.precision = precision_of(self.cfg.model.precision)
-        torch.manual_seed(seed)
-        self.model, recipe = build_on_meta(lambda: self.build_model(self.model_config))
-        self.full_shapes = {n: t.shape for n, t in self.model.state_dict().items()}
-        self.precision.cast(self.model)  # values below (loaded or replayed in fp32) are copied in this dtype
-        self.layout.apply(self.model, self.ranks)  # on meta: shapes only
-        self.layout.materialize(self.model, self.device)  # this rank's tensors, uninitialised
-        slicer = self.layout.slicer(self.rank, self.full_shapes)
-        if self.cfg.model.path:  # a sharded rank reads only its own slices, one tensor at a time
-            load_stage_weights(
-                self.model, self.model.hf_name, self.cfg.model.path, self.owned_prefixes,
-                slicer=slicer, full_shapes=self.full_shapes, assign=self.layout.assign_loaded,
-            )
-        else:  # the seeded init of the full build, one full tensor at a time, this rank's part kept
-            torch.manual_seed(seed)
-            self._assign(replay(recipe, slicer))
-        self.model.to(self.device).train()
+        self.model, self.full_shapes = build_stage(
+            lambda: self.build_model(self.model_config), self.layout, self.ranks, self.precision,
+            seed=self.cfg.model.init_seed, path=self.cfg.model.path,
+        )
         self.optimizer, self.scheduler = build_optimizer(
             self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.layout.optimizer_shard_group(self.ranks)
         )
@@ -145,12 +132,6 @@ class StageWorker(DistributedWorker):
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
-
-    def _assign(self, state: dict[str, torch.Tensor]) -> None:
-        if self.layout.assign_loaded is not None:
-            self.layout.assign_loaded(self.model, state)
-        else:
-            self.model.load_state_dict(state, strict=False)  # replay covers every parameter (it checks)
 
     def autocast(self):
         return self.precision.autocast(self.device, self.cfg.model.dtype)
@@ -256,10 +237,11 @@ class StageWorker(DistributedWorker):
         save_shard(self.local_state(), Path(out_dir), name)
         return name
 
-    def save_state(self, ckpt_dir: str) -> None:
+    def save_state(self, ckpt_dir: str) -> dict[str, dict[str, int | str]]:
         """Everything this rank needs to continue exactly: its tensors, optimizer moments (its ZeRO share),
-        LR scheduler and RNG states. Read back with `torch.load(weights_only=True)`: no pickled code."""
-        self.save_local(ckpt_dir)
+        LR scheduler and RNG states. Read back with `torch.load(weights_only=True)`: no pickled code.
+        Returns the manifest entries of the files it wrote (hashed here: every rank in parallel)."""
+        tensors = self.save_local(ckpt_dir)
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's partition only
         state = {
             "optimizer": _to_local(optimizer.state_dict()),
@@ -267,7 +249,9 @@ class StageWorker(DistributedWorker):
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.empty(0),
         }
-        torch.save(state, Path(ckpt_dir) / f"{self.stage}-rank{self.rank:05d}-state.pt")
+        state_file = f"{self.stage}-rank{self.rank:05d}-state.pt"
+        torch.save(state, Path(ckpt_dir) / state_file)
+        return {name: file_entry(Path(ckpt_dir) / name) for name in (tensors, state_file)}
 
     def load_state(self, ckpt_dir: str) -> None:
         """Inverse of `save_state`, into a freshly built rank of the same layout."""

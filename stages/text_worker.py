@@ -18,7 +18,6 @@ from dhp.stages.stage_worker import StageWorker, recorded
 
 class TextWorker(StageWorker):
     stage = "text"
-    owned_prefixes = ("model.language_model.", "lm_head.")
 
     def build_model(self, model_config: Any) -> TextModel:
         return TextModel(model_config)

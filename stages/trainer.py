@@ -267,13 +267,16 @@ class Trainer:
     def save_checkpoint(self, root: Path, batches: list[GlobalBatch]) -> Path:
         """RUN_DIR/checkpoints/step_N after the step that trained `batches`: every rank writes its own
         tensors, optimizer share, scheduler and RNG (no gathering); the driver adds the data position of
-        each replica and the config; written atomically and verified on load (checkpoint_files.py)."""
+        each replica and the config; each rank hashes its own files, in parallel; written atomically and
+        verified on load (checkpoint_files.py)."""
         tmp = staging_dir(root, self.step)
-        ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors])
+        hashed: dict[str, Any] = {}
+        for entries in ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors]):
+            hashed |= entries
         write_meta(tmp, self.layout(), self.step, self.model_config)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
         save_config(self.cfg, tmp / "config.yaml")
-        return commit(tmp, self.cfg.training.keep_last)
+        return commit(tmp, self.cfg.training.keep_last, hashed)
 
     def restore_checkpoint(self, ckpt: Path) -> int:
         """Load a checkpoint written by this layout; returns its step. The data streams continue after it."""

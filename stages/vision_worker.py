@@ -18,7 +18,6 @@ from dhp.stages.stage_worker import StageWorker, recorded
 
 class VisionWorker(StageWorker):
     stage = "vision"
-    owned_prefixes = ("model.visual.",)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

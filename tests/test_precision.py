@@ -48,12 +48,12 @@ def bf16_checkpoint(parity_setup, tmp_path_factory):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_checkpoint, ray_session, precision):
     """Every parameter and every AdamW moment of every rank is in `model.precision`'s dtype, whatever the
-    checkpoint holds; the text pool's two data-parallel replicas and the vision SP pool each keep the moments
-    of only their share of the parameters (ZeRO-1), together all of them."""
+    checkpoint holds; each pool's two data-parallel replicas keep the moments of only their share of the
+    parameters (ZeRO-1, the text pool included), together all of them."""
     _, _, samples = parity_setup
     cfg = load_config("tiny", BASE + [
         f"model.path={bf16_checkpoint}", f"model.precision={precision}", "data.microbatch_tokens=1024",
-        "vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2", "text.num_actors=2",
+        "vision.num_actors=2", "text.num_actors=2",
         "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
     ])
     want = str(precision_of(precision).param_dtype)
