@@ -45,7 +45,7 @@ QUICK_MEASURED = [("tiny", "text", "tensor", 2), ("tiny", "vision", "sequence", 
 
 
 def full_shapes(model: str, stage: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor's full shape, from a build on the meta device."""
+    """Every tensor's full shape, from a build on the meta device; tied tensors once."""
     import torch
 
     from dhp.models.architectures import architecture_config
@@ -54,7 +54,13 @@ def full_shapes(model: str, stage: str) -> dict[str, tuple[int, ...]]:
     config = architecture_config(model)
     with torch.device("meta"):
         module = (TextModel if stage == "text" else VisionModel)(config)
-    return {n: tuple(t.shape) for n, t in module.state_dict().items()}
+    seen: set[int] = set()  # a tied lm_head is the embedding's tensor: held (and counted) once
+    shapes = {}
+    for n, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shapes[n] = tuple(t.shape)
+    return shapes
 
 
 def computed_row(model: str, stage: str, layout: str, degree: int, num_actors: int, precision: str,
