@@ -20,15 +20,23 @@ from tests.test_layouts import CASES
 from tests.test_parity import BASE, SP2, TP2, _microbatch, collect
 
 
-def _config(tied: bool = False):
+def _config(tied: bool = False, deep: bool = False):
     config = architecture_config("tiny")
     config.tie_word_embeddings = config.text_config.tie_word_embeddings = tied
+    if deep:  # tiny but deep: the released block structure repeated (full attention every 4th ViT block)
+        config.text_config.num_hidden_layers = 12
+        config.text_config.layer_types = ["full_attention"] * 12
+        config.vision_config.depth = 16
+        config.vision_config.fullatt_block_indexes = [3, 7, 11, 15]
     return config
 
 
-@pytest.mark.parametrize(("cls", "tied"), [(TextModel, False), (TextModel, True), (VisionModel, False)])
-def test_replay_is_the_seeded_full_build(cls, tied):
-    config = _config(tied)
+@pytest.mark.parametrize(("cls", "tied", "deep"), [
+    (TextModel, False, False), (TextModel, True, False), (VisionModel, False, False),
+    (TextModel, True, True), (VisionModel, False, True),
+])
+def test_replay_is_the_seeded_full_build(cls, tied, deep):
+    config = _config(tied, deep)
     torch.manual_seed(11)
     ref = cls(config)
     after_full = torch.get_rng_state()
