@@ -50,6 +50,10 @@ class VisionModel(nn.Module):
         """The modules a sharded layout gathers one at a time (blocks, merger); the rest goes with the root."""
         return [*self.visual.blocks, self.visual.merger]
 
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks, in order (what activation checkpointing chooses from)."""
+        return list(self.visual.blocks)
+
     @staticmethod
     def hf_name(name: str) -> str:
         return "model." + name
@@ -121,6 +125,10 @@ class TextModel(nn.Module):
 
     def shard_units(self) -> list[nn.Module]:
         """The modules a sharded layout gathers one at a time (decoder layers); the rest goes with the root."""
+        return list(self.language_model.layers)
+
+    def blocks(self) -> list[nn.Module]:
+        """The decoder layers, in order (what activation checkpointing chooses from)."""
         return list(self.language_model.layers)
 
     @staticmethod

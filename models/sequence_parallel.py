@@ -55,12 +55,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision, eager_attention_forward
 from transformers.utils.generic import is_flash_attention_requested
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
+from dhp.models.activation_checkpointing import maybe_checkpoint
 from dhp.models.layout import NOT_SHARDED, Layout, PoolRanks, VitShape
 
 
@@ -233,8 +235,12 @@ def sp_vision_forward(
     cu_windows, cu_full = plan.cu_window_seqlens[rank], plan.cu_seqlens
     for i, blk in enumerate(visual.blocks):
         full = i in visual.fullatt_block_indexes
-        x = x + _attention(blk.attn, blk.norm1(x), rope, cu_full if full else cu_windows, ulysses if full else None)
-        x = x + blk.mlp(blk.norm2(x))
+
+        def block(x: torch.Tensor, blk: nn.Module = blk, full: bool = full) -> torch.Tensor:
+            x = x + _attention(blk.attn, blk.norm1(x), rope, cu_full if full else cu_windows, ulysses if full else None)
+            return x + blk.mlp(blk.norm2(x))
+
+        x = maybe_checkpoint(blk, block, x)  # recomputed (its all-to-alls too) in backward if chosen
     if s:
         return merger(x)
     return merger.mlp(merger.ln_q(x).view(0, merger.hidden_size))

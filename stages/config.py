@@ -42,6 +42,8 @@ class StageConfig:
     num_gpus_per_actor: float = 0.0  # Ray GPU resource per actor (fractions share a GPU)
     torch_threads: int = 1  # intra-op threads per actor
     lr_scale: float = 1.0  # this stage's LR = training.lr x lr_scale
+    activation_checkpointing: Literal["none", "full", "every_n"] = "none"  # recompute blocks in backward
+    activation_checkpointing_every: int = 2  # every_n: blocks 0, N, 2N, ... recompute
 
 
 @dataclass
@@ -295,6 +297,7 @@ def validate(config: Config) -> None:
                 f"{stage}.num_actors must be a multiple of {stage}.degree",
             ),
             (s.num_cpus_per_actor >= 0 and s.num_gpus_per_actor >= 0, f"{stage} resources must be >= 0"),
+            (s.activation_checkpointing_every >= 1, f"{stage}.activation_checkpointing_every must be >= 1"),
         ]
     for ok, message in checks:
         if not ok:

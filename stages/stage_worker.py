@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import stage_layout
 from dhp.models.precision import precision_of
@@ -125,6 +126,10 @@ class StageWorker(DistributedWorker):
             lambda: self.build_model(self.model_config), self.layout, self.ranks, self.precision,
             seed=self.cfg.model.init_seed, path=self.cfg.model.path,
         )
+        self.activation_checkpointing = ActivationCheckpointing(
+            self.stage_cfg.activation_checkpointing, self.stage_cfg.activation_checkpointing_every
+        )
+        self.activation_checkpointing.apply(self.model.blocks())
         self.optimizer, self.scheduler = build_optimizer(
             self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.layout.optimizer_shard_group(self.ranks)
         )

@@ -33,6 +33,8 @@ BASE = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
         "text.parallelism=none", "text.num_actors=1", "text.degree=1"]
 SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
 TP2 = ["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"]
+AC_FULL = ["vision.activation_checkpointing=full", "text.activation_checkpointing=full"]
+AC_EVERY_2 = ["vision.activation_checkpointing=every_n", "text.activation_checkpointing=every_n"]
 
 
 def collect(trainer: Trainer, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -82,8 +84,17 @@ def _microbatch(chosen: list[dict], cfg) -> MicroBatch:
          [[[0], [2]], [[1]]]),
         # the uniform tensor-parallel baseline: vision TP 2 and text TP 2
         (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2, [[[0], [1, 2]]]),
+        # activation checkpointing: recomputed blocks re-run their collectives in backward, in the same order
+        # on every rank (sp4: ranks holding no patches recompute their empty blocks and join)
+        (AC_EVERY_2, [[[0], [1], [2]]]),
+        (SP2 + TP2 + AC_FULL, [[[0, 1], [2]]]),
+        (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
+        (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
+        (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"]
+         + AC_FULL, [[[0], [2]], [[1]]]),
     ],
-    ids=["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2"],
+    ids=["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2",
+         "1v1t-ac2", "sp2-tp2-ac", "sp4-tp2-ac", "tp2-tp2-ac", "zero3-zero3-ac"],
 )
 def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, replicas):
     ref, ckpt, samples = parity_setup
@@ -128,6 +139,10 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
 
     trainer = Trainer(cfg)
     try:
+        for pool, stage in ((trainer.vision, cfg.vision), (trainer.text, cfg.text)):  # checkpointing is on where asked
+            recomputing = ray.get(pool.actors[-1].__ray_call__.remote(
+                lambda w: sum(b.gradient_checkpointing for b in w.model.blocks())))
+            assert (recomputing > 0) == (stage.activation_checkpointing != "none"), (pool.name, recomputing)
         for step in range(STEPS):
             loss = trainer.accumulate(batches)
             ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())  # what optimizer_step does first
