@@ -17,7 +17,7 @@ import ray
 from dhp.dataflow.synth import write_synthetic_dataset
 from dhp.stages import run_log
 from dhp.stages.checkpoint_files import latest_valid, verify
-from dhp.stages.config import Config, one_line, save_config
+from dhp.stages.config import Config, ConfigError, one_line, save_config
 
 
 def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
@@ -62,11 +62,25 @@ def init_ray(cfg: Config) -> None:
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
 
 
+def check_attention(implementation: str) -> None:
+    """The asked-for attention kernel must be importable here, before Ray starts (else every actor would fail
+    its setup with an ImportError minutes later)."""
+    import importlib.util
+
+    if implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed: "
+            "install it (pip install flash-attn --no-build-isolation, CUDA only) or use "
+            "model.attn_implementation=sdpa (PyTorch's SDPA, with a flash kernel on CUDA)"
+        )
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json)."""
     from dhp.stages.pools import check_layout
     from dhp.stages.trainer import Trainer, model_config_of  # heavy imports: after config errors are out
 
+    check_attention(cfg.model.attn_implementation)
     check_layout(cfg, model_config_of(cfg))  # before Ray starts or anything is written
     run_dir = make_run_dir(cfg)
     train_paths, eval_paths, image_root = resolve_data(cfg)

@@ -88,12 +88,29 @@ def test_large_presets_layout(name, n):
     assert cfg.model.name == name
     assert cfg.model.path is None
     assert cfg.model.dtype == "bfloat16"
-    assert cfg.model.attn_implementation == "flash_attention_2"
+    assert cfg.model.attn_implementation == "sdpa"  # installed everywhere (flash-attn is not: see below)
     assert (cfg.vision.parallelism, cfg.vision.num_actors, cfg.vision.degree) == ("sequence", n, n)
     assert (cfg.text.parallelism, cfg.text.num_actors, cfg.text.degree) == ("tensor", n, n)
     assert cfg.vision.num_gpus_per_actor == 0.5 and cfg.text.num_gpus_per_actor == 0.5
     assert cfg.training.lr == pytest.approx(5e-5)
     assert isinstance(cfg.vision.num_cpus_per_actor, float)  # `2` in YAML became a float
+
+
+def test_flash_attention_without_flash_attn_is_refused_before_ray(tmp_path, capsys):
+    """Every actor would fail its setup with an ImportError minutes in: `dhp train` says so in one line first."""
+    import importlib.util
+
+    from dhp.stages.cli import main
+    from dhp.stages.driver import check_attention
+
+    check_attention("sdpa")
+    if importlib.util.find_spec("flash_attn") is not None:  # a GPU machine with it installed: accepted
+        check_attention("flash_attention_2")
+        return
+    code = main(["train", f"output.dir={tmp_path}", "model.attn_implementation=flash_attention_2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and list(tmp_path.iterdir()) == []  # nothing written, no actor started
+    assert len(err.splitlines()) == 1 and "pip install flash-attn" in err and "attn_implementation=sdpa" in err
 
 
 def test_unknown_preset_lists_presets():
