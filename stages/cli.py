@@ -12,6 +12,7 @@
     dhp bench recovery [--json PATH] [--quick]                (time to detect a killed actor and train again)
     dhp bench data [--json PATH] [--quick]                    (Ray Data preprocessing vs a plain loop; data wait)
     dhp bench memory --json PATH [--quick] [--no-measure]     (bytes per rank by shape/layout/precision; build RSS)
+    dhp bench checkpointing [--json PATH] [--quick]           (activation checkpointing: bytes saved, time cost)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -86,9 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     bdata = bench.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
     bdata.add_argument("--json", default=None, help="write the row here")
     bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
+    from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
     from dhp.scripts.bench_memory import add_parser as add_memory
 
     add_memory(bench)
+    add_checkpointing(bench)
     return p
 
 
@@ -137,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_pipeline import main as bench_pipeline
 
             return bench_pipeline(args)
+        elif args.command == "bench" and args.bench_command == "checkpointing":
+            from dhp.scripts.bench_checkpointing import main as bench_checkpointing
+
+            return bench_checkpointing(args)
         elif args.command == "bench" and args.bench_command == "memory":
             from dhp.scripts.bench_memory import main as bench_memory
 
