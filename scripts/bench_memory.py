@@ -46,21 +46,10 @@ QUICK_MEASURED = [("tiny", "text", "tensor", 2), ("tiny", "vision", "sequence", 
 
 def full_shapes(model: str, stage: str) -> dict[str, tuple[int, ...]]:
     """Every tensor's full shape, from a build on the meta device; tied tensors once."""
-    import torch
-
     from dhp.models.architectures import architecture_config
-    from dhp.models.qwen2_5_vl import TextModel, VisionModel
+    from dhp.models.memory_plan import full_shapes as shapes_of
 
-    config = architecture_config(model)
-    with torch.device("meta"):
-        module = (TextModel if stage == "text" else VisionModel)(config)
-    seen: set[int] = set()  # a tied lm_head is the embedding's tensor: held (and counted) once
-    shapes = {}
-    for n, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            shapes[n] = tuple(t.shape)
-    return shapes
+    return shapes_of(architecture_config(model), stage)
 
 
 def computed_row(model: str, stage: str, layout: str, degree: int, num_actors: int, precision: str,

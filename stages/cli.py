@@ -6,6 +6,7 @@
     dhp data convert-laion-pop --in FILE --out FILE [--image-field K] [--caption-field K]
     dhp report RUN_DIR [--out DIR]                            (PNG plots of a run + a summary table)
     dhp config [--config PRESET_OR_YAML] [KEY=VALUE ...]     (print the resolved config)
+    dhp plan [--config NAME|PATH] [KEY=VALUE ...] [--gpu-memory GiB] [--json PATH]   (memory per rank; fits?)
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M]   (pipelined vs serial steps)
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -39,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", default="tiny")
     show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    plan = sub.add_parser("plan", help="memory per rank of each pool, against the GPU (no allocation)")
+    plan.add_argument("--config", default="tiny")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="memory of one GPU")
+    plan.add_argument("--json", default=None, help="write the rows here")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write the synthetic shapes captioning set")
@@ -95,6 +103,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`dhp plan`: the table, the JSON rows; exit 0 when it fits (or there is nothing to compare), 1 when not."""
+    from dhp.models.memory_plan import advice, plan, table
+    from dhp.stages.pools import check_layout
+    from dhp.stages.trainer import model_config_of
+
+    cfg = load_config(args.config, args.overrides)
+    model_config = model_config_of(cfg)
+    check_layout(cfg, model_config)
+    result = plan(cfg, model_config, args.gpu_memory)
+    print(table(result))
+    if result["fits"] is False:
+        print("what would fit: " + "; ".join(advice(cfg, result)))
+    if args.json:
+        rows = [{**r.row(), "per_device": result["per_device"], "device": result["device"], "fits": result["fits"]}
+                for r in result["ranks"].values()]
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 1 if result["fits"] is False else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -107,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped records: {summary['skipped']['counts'] or 'none'}")
         elif args.command == "config":
             print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
+        elif args.command == "plan":
+            return _plan(args)
         elif args.command == "data" and args.data_command == "synth":
             from dhp.dataflow.synth import write_synthetic_dataset
 

@@ -85,6 +85,8 @@ class DataConfig:
 @dataclass
 class TrainingConfig:
     steps: int = 100  # optimizer steps
+    gpu_memory_gib: float | None = None  # memory of one GPU for the plan; None: this machine's GPU, if any
+    skip_memory_check: bool = False  # start even if the memory plan (dhp plan) says a GPU rank will not fit
     global_batch_size: int = 8  # samples per optimizer step (split into token-budget micro-batches)
     lr: float = 2e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr x min_lr_ratio

@@ -75,6 +75,20 @@ def check_attention(implementation: str) -> None:
         )
 
 
+def check_memory(cfg: Config, model_config: Any) -> None:
+    """Refuse a layout the memory plan (models/memory_plan.py) says will not fit its GPUs, with the plan's table
+    and what would fit; `training.skip_memory_check=true` starts anyway."""
+    from dhp.models.memory_plan import advice, plan, table
+
+    result = plan(cfg, model_config)
+    if result["fits"] is False and not cfg.training.skip_memory_check:
+        tips = "; ".join(advice(cfg, result))
+        raise ConfigError(
+            f"this layout does not fit its GPUs (dhp plan):\n{table(result)}\nwhat would fit: {tips}; or "
+            f"training.skip_memory_check=true to start anyway"
+        )
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json)."""
     from dhp.stages.pools import check_layout
@@ -82,6 +96,7 @@ def train(cfg: Config) -> dict[str, Any]:
 
     check_attention(cfg.model.attn_implementation)
     check_layout(cfg, model_config_of(cfg))  # before Ray starts or anything is written
+    check_memory(cfg, model_config_of(cfg))
     run_dir = make_run_dir(cfg)
     train_paths, eval_paths, image_root = resolve_data(cfg)
     started_ray = not ray.is_initialized()

@@ -141,6 +141,19 @@ class StageWorker(DistributedWorker):
     def autocast(self):
         return self.precision.autocast(self.device, self.cfg.model.dtype)
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's parameters, gradients (those present) and AdamW states (its ZeRO-1 share):
+        what the memory plan predicts (models/memory_plan.py)."""
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)
+
+        def nbytes(tensors) -> int:  # not by storage: FSDP2's gradients are views of one reduce-scatter buffer
+            return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
+
+        params = list(self.model.parameters())  # a tied parameter once
+        states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim]
+        return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
+                "optimizer": nbytes(states)}
+
     def state_dtypes(self) -> dict[str, Any]:
         """Dtypes of this rank's parameters and optimizer states, and how many parameters' states it holds."""
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's partition

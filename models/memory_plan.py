@@ -1,0 +1,210 @@
+"""Memory plan: what one rank of each pool will hold, before anything starts (`dhp plan`, and `dhp train`'s check).
+
+Per rank, in bytes, counted on the meta device (nothing allocated):
+
+- model states: the layout's elements (`state_numel`) x the precision's bytes for parameters and gradients;
+  AdamW moments x the layout's ZeRO-1 share (`optimizer_fraction`); torch's foreach AdamW temporary (one
+  moment of that share) while it steps;
+- activations kept for backward at the configured `data.microbatch_tokens`: vision with every token of a
+  micro-batch an image token (4 patches each: the most a micro-batch can carry), from the layouts' own
+  saved-tensor formulas (checked against saved-tensor hooks by `dhp bench layouts`), times
+  `pipeline.max_in_flight` (each vision micro-batch in flight keeps its graph until its backward); text for
+  one micro-batch (forward and backward are one call) from the per-token formula below; with activation
+  checkpointing a recomputed block keeps only its input, plus one block's working set while it recomputes;
+- transients: the largest of the logits of a micro-batch's labelled positions (fp32, with their gradient,
+  vocabulary split under TP), one block's working set, ZeRO-3's all-gathered unit (with prefetch: two).
+
+Text decoder layer, saved elements per token (transformers' Qwen2_5_VLDecoderLayer under SDPA, TP degree t,
+hidden H, MLP I, KV width K = kv_heads x head_dim): replicated 4H (layer input, its RMSNorm output, the
+residual after attention and its RMSNorm output); split by t: q, k, v (H + 2K), rotated q, k (H + K), the
+attention output (H), gate, up, act(gate), act(gate) x up (4I).
+
+A plan is an estimate with stated assumptions, not an allocator trace: the CUDA caching allocator's
+fragmentation and the CUDA context (~0.5-1 GiB) come on top, which is why the check keeps a margin
+(`MARGIN`). The table says which device memory it compared against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+GIB = 2**30
+MARGIN = 0.9  # a plan fits when its total is at most this share of the device: allocator slack, CUDA context
+KNOWN_GPUS_GIB = {"H200": 141, "H100": 80, "A100-SXM4-80GB": 80, "A100 80GB": 80, "A100": 40, "L40S": 48,
+                  "A10G": 24, "L4": 24, "V100": 32}
+
+
+@dataclass
+class RankPlan:
+    stage: str
+    layout: str
+    degree: int
+    num_actors: int
+    precision: str
+    activation_checkpointing: str
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_step_temp: int
+    activations: int
+    transients: int
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.optimizer_step_temp + self.activations
+                + self.transients)
+
+    def row(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def meta_stage(model_config: Any, stage: str) -> torch.nn.Module:
+    from dhp.models.qwen2_5_vl import TextModel, VisionModel
+
+    with torch.device("meta"):
+        return (TextModel if stage == "text" else VisionModel)(model_config)
+
+
+def full_shapes(model_config: Any, stage: str, module: torch.nn.Module | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor's full shape from a build on the meta device; a tied tensor once."""
+    module = module if module is not None else meta_stage(model_config, stage)
+    seen: set[int] = set()
+    shapes = {}
+    for n, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            shapes[n] = tuple(t.shape)
+    return shapes
+
+
+def activation_bytes_per_element(cfg: Any, stage: str) -> int:
+    """2 where matrix work runs in bf16 (pure bf16 states, or bf16 autocast on a GPU), else 4."""
+    from dhp.models.precision import precision_of
+
+    on_gpu = getattr(cfg, stage).num_gpus_per_actor > 0
+    compute = precision_of(cfg.model.precision).compute_dtype(cfg.model.dtype)
+    pure = precision_of(cfg.model.precision).param_bytes == 2
+    return 2 if pure or (on_gpu and compute == "bfloat16") else 4
+
+
+def _kept(per_block: float, block_input: float, blocks: int, recomputed: int) -> float:
+    """Activations of `blocks` blocks of which `recomputed` keep only their input (+ one working set)."""
+    if recomputed == 0:
+        return blocks * per_block
+    return (blocks - recomputed) * per_block + recomputed * block_input + per_block
+
+
+def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
+    from dhp.models.activation_checkpointing import ActivationCheckpointing
+    from dhp.models.layout import VitShape
+    from dhp.models.layouts import stage_layout
+    from dhp.models.precision import precision_of
+
+    s = getattr(cfg, stage)
+    layout = stage_layout(cfg, stage, model_config)
+    prec = precision_of(cfg.model.precision)
+    module = meta_stage(model_config, stage)
+    shapes = full_shapes(model_config, stage, module)
+    held = layout.state_numel(shapes, 0)  # type: ignore[arg-type]
+    moments = held * layout.optimizer_fraction * prec.optimizer_bytes
+    b = activation_bytes_per_element(cfg, stage)
+    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
+    tokens = cfg.data.microbatch_tokens
+    if stage == "vision":
+        v = model_config.vision_config
+        shape = VitShape.of(v.to_dict())
+        patches = 4 * tokens
+        every_block = layout.vit_activation_bytes(shape, patches, b)
+        per_block = every_block / shape.depth
+        block_input = patches / max(1, layout.loader_shards) * shape.d * b
+        recomputed = len(ac.chosen(shape.depth))
+        activations = _kept(per_block, block_input, shape.depth, recomputed) * cfg.pipeline.max_in_flight
+        transients = per_block
+    else:
+        t = model_config.text_config
+        tp = layout.degree
+        kv = t.num_key_value_heads * (t.hidden_size // t.num_attention_heads)
+        h, i = t.hidden_size, t.intermediate_size
+        per_block = tokens * b * (4 * h + (3 * h + 3 * kv + 4 * i) / tp)
+        block_input = tokens * h * b
+        recomputed = len(ac.chosen(t.num_hidden_layers))
+        activations = _kept(per_block, block_input, t.num_hidden_layers, recomputed) + 3 * tokens * h * b
+        logits = tokens * t.vocab_size / tp * 4 * 2
+        transients = max(logits, per_block)
+    if layout.spans_pool:  # ZeRO-3: a unit's full parameters while it runs, and the next one prefetched
+        largest_unit = max(sum(p.numel() for p in u.parameters()) for u in module.shard_units())
+        transients += 2 * largest_unit * prec.param_bytes
+    return RankPlan(
+        stage=stage, layout=s.parallelism, degree=s.degree, num_actors=s.num_actors, precision=prec.name,
+        activation_checkpointing=ac.mode, params=held * prec.param_bytes, grads=held * prec.grad_bytes,
+        optimizer=round(moments), optimizer_step_temp=round(moments / 2), activations=round(activations),
+        transients=round(transients),
+    )
+
+
+def device_memory(cfg: Any, gpu_memory_gib: float | None = None) -> tuple[int | None, str]:
+    """(bytes of one device, where that number came from); (None, why) when there is nothing to compare."""
+    if gpu_memory_gib is not None:
+        return int(gpu_memory_gib * GIB), f"--gpu-memory {gpu_memory_gib:g} GiB"
+    if cfg.training.gpu_memory_gib is not None:
+        return int(cfg.training.gpu_memory_gib * GIB), f"training.gpu_memory_gib={cfg.training.gpu_memory_gib:g}"
+    if max(cfg.vision.num_gpus_per_actor, cfg.text.num_gpus_per_actor) == 0:
+        return None, "CPU actors: not compared (host memory is shared by every actor and the data pipeline)"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return torch.cuda.get_device_properties(0).total_memory, f"this machine's {name}"
+    return None, "no GPU here to read its memory: pass --gpu-memory GiB (or set training.gpu_memory_gib)"
+
+
+def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None) -> dict[str, Any]:
+    """Both pools' rank plans, the per-GPU total (both pools' ranks under shared placement of fractional
+    GPUs), the device it is compared with, and whether it fits."""
+    ranks = {stage: stage_plan(cfg, model_config, stage) for stage in ("vision", "text")}
+    shared = cfg.pipeline.placement == "shared" and all(
+        0 < getattr(cfg, s).num_gpus_per_actor < 1 for s in ("vision", "text"))
+    per_device = (ranks["vision"].total + ranks["text"].total if shared
+                  else max(ranks["vision"].total, ranks["text"].total))
+    device, source = device_memory(cfg, gpu_memory_gib)
+    fits = None if device is None else per_device <= MARGIN * device
+    return {"ranks": ranks, "shared": shared, "per_device": per_device, "device": device, "device_source": source,
+            "fits": fits}
+
+
+def advice(cfg: Any, result: dict[str, Any]) -> list[str]:
+    """What would make an over-budget plan fit, largest lever first."""
+    out = []
+    for stage, r in result["ranks"].items():
+        if r.activation_checkpointing != "full" and r.activations > r.total / 4:
+            out.append(f"{stage}.activation_checkpointing=full (activations are {r.activations / GIB:.1f} GiB)")
+    if cfg.model.precision == "fp32":
+        out.append("model.precision=bf16 (8 instead of 16 bytes per parameter)")
+    text = result["ranks"]["text"]
+    if text.layout == "tensor":
+        out.append(f"a larger text.degree than {text.degree} (model states / degree)")
+    out.append(f"a smaller data.microbatch_tokens than {cfg.data.microbatch_tokens} (or data.max_pixels)")
+    if result["shared"]:
+        out.append("pipeline.placement=disjoint with whole GPUs per pool")
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    cols = ("params", "grads", "optimizer", "optimizer_step_temp", "activations", "transients")
+    lines = ["| pool | layout | precision | checkpointing | params | grads | AdamW | step temp | activations "
+             "| transients | total / rank |", "|---|---|---|---|" + "---:|" * 7]
+    for stage, r in result["ranks"].items():
+        lines.append(f"| {stage} | {r.layout} {r.degree} x {r.num_actors // r.degree} | {r.precision} | "
+                     f"{r.activation_checkpointing} | " + " | ".join(f"{getattr(r, c) / GIB:.2f}" for c in cols)
+                     + f" | {r.total / GIB:.2f} |")
+    per = result["per_device"] / GIB
+    how = "vision + text ranks sharing one GPU" if result["shared"] else "the larger rank"
+    if result["device"] is None:
+        verdict = f"per device: {per:.2f} GiB ({how}); {result['device_source']}"
+    else:
+        dev = result["device"] / GIB
+        word = "fits" if result["fits"] else "DOES NOT FIT"
+        verdict = (f"per device: {per:.2f} GiB ({how}) of {dev:.0f} GiB ({result['device_source']}; "
+                   f"{MARGIN:.0%} usable): {word}")
+    return "\n".join(lines) + f"\n\nGiB. {verdict}"
