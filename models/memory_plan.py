@@ -97,6 +97,17 @@ def _kept(per_block: float, block_input: float, blocks: int, recomputed: int) ->
     return (blocks - recomputed) * per_block + recomputed * block_input + per_block
 
 
+def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0) -> tuple[float, float]:
+    """(bytes the language model keeps for backward, one layer's share) for `tokens` tokens at TP degree `tp`,
+    `b` bytes per element, `recomputed` layers checkpointed: the per-token count of this module's docstring,
+    plus the embedding output and the final norm's input and output."""
+    kv = t.num_key_value_heads * (t.hidden_size // t.num_attention_heads)
+    h, i = t.hidden_size, t.intermediate_size
+    per_block = tokens * b * (4 * h + (3 * h + 3 * kv + 4 * i) / tp)
+    kept = _kept(per_block, tokens * h * b, t.num_hidden_layers, recomputed) + 3 * tokens * h * b
+    return kept, per_block
+
+
 def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
     from dhp.models.activation_checkpointing import ActivationCheckpointing
     from dhp.models.layout import VitShape
@@ -126,12 +137,7 @@ def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
     else:
         t = model_config.text_config
         tp = layout.degree
-        kv = t.num_key_value_heads * (t.hidden_size // t.num_attention_heads)
-        h, i = t.hidden_size, t.intermediate_size
-        per_block = tokens * b * (4 * h + (3 * h + 3 * kv + 4 * i) / tp)
-        block_input = tokens * h * b
-        recomputed = len(ac.chosen(t.num_hidden_layers))
-        activations = _kept(per_block, block_input, t.num_hidden_layers, recomputed) + 3 * tokens * h * b
+        activations, per_block = text_activations(t, tokens, tp, b, len(ac.chosen(t.num_hidden_layers)))
         logits = tokens * t.vocab_size / tp * 4 * 2
         transients = max(logits, per_block)
     if layout.spans_pool:  # ZeRO-3: a unit's full parameters while it runs, and the next one prefetched
