@@ -179,7 +179,22 @@ def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None) -> di
             "fits": fits}
 
 
-def advice(cfg: Any, result: dict[str, Any]) -> list[str]:
+def _can_double(cfg: Any, model_config: Any, stage: str) -> bool:
+    """Whether the stage's layout allows twice its degree on this model (the layout says, not its name)."""
+    from dhp.models.layouts import layout_class, make_layout
+
+    s = getattr(cfg, stage)
+    degree = 2 * s.degree
+    try:
+        if layout_class(stage, s.parallelism).check_degree(stage, degree):
+            return False
+        make_layout(stage, s.parallelism, degree, s.num_actors * 2, model_config).check_shape(model_config)
+    except ValueError:
+        return False
+    return True
+
+
+def advice(cfg: Any, result: dict[str, Any], model_config: Any) -> list[str]:
     """What would make an over-budget plan fit, largest lever first."""
     out = []
     for stage, r in result["ranks"].items():
@@ -187,9 +202,10 @@ def advice(cfg: Any, result: dict[str, Any]) -> list[str]:
             out.append(f"{stage}.activation_checkpointing=full (activations are {r.activations / GIB:.1f} GiB)")
     if cfg.model.precision == "fp32":
         out.append("model.precision=bf16 (8 instead of 16 bytes per parameter)")
-    text = result["ranks"]["text"]
-    if text.layout == "tensor":
-        out.append(f"a larger text.degree than {text.degree} (model states / degree)")
+    for stage in ("text", "vision"):
+        if _can_double(cfg, model_config, stage):
+            s = getattr(cfg, stage)
+            out.append(f"{stage}.degree={2 * s.degree} with {stage}.num_actors={2 * s.num_actors} (more GPUs)")
     out.append(f"a smaller data.microbatch_tokens than {cfg.data.microbatch_tokens} (or data.max_pixels)")
     if result["shared"]:
         out.append("pipeline.placement=disjoint with whole GPUs per pool")

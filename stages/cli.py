@@ -115,7 +115,7 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan(cfg, model_config, args.gpu_memory)
     print(table(result))
     if result["fits"] is False:
-        print("what would fit: " + "; ".join(advice(cfg, result)))
+        print("what would fit: " + "; ".join(advice(cfg, result, model_config)))
     if args.json:
         rows = [{**r.row(), "per_device": result["per_device"], "device": result["device"], "fits": result["fits"]}
                 for r in result["ranks"].values()]

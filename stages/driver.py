@@ -82,7 +82,7 @@ def check_memory(cfg: Config, model_config: Any) -> None:
 
     result = plan(cfg, model_config)
     if result["fits"] is False and not cfg.training.skip_memory_check:
-        tips = "; ".join(advice(cfg, result))
+        tips = "; ".join(advice(cfg, result, model_config))
         raise ConfigError(
             f"this layout does not fit its GPUs (dhp plan):\n{table(result)}\nwhat would fit: {tips}; or "
             f"training.skip_memory_check=true to start anyway"
