@@ -16,6 +16,7 @@ bytes of all tensors), the layout `from_pretrained` loads.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Callable
@@ -61,10 +62,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:

@@ -33,8 +33,6 @@ import torch
 
 GIB = 2**30
 MARGIN = 0.9  # a plan fits when its total is at most this share of the device: allocator slack, CUDA context
-KNOWN_GPUS_GIB = {"H200": 141, "H100": 80, "A100-SXM4-80GB": 80, "A100 80GB": 80, "A100": 40, "L40S": 48,
-                  "A10G": 24, "L4": 24, "V100": 32}
 
 
 @dataclass
@@ -97,6 +95,15 @@ def _kept(per_block: float, block_input: float, blocks: int, recomputed: int) ->
     return (blocks - recomputed) * per_block + recomputed * block_input + per_block
 
 
+def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0) -> dict[str, int]:
+    """Parameter, gradient and AdamW bytes rank `rank` holds (the layout's elements and ZeRO-1 share, the
+    precision's bytes), and torch's foreach-AdamW temporary while it steps (one moment of that share)."""
+    held = layout.state_numel(shapes, rank)
+    moments = held * layout.optimizer_fraction * precision.optimizer_bytes
+    return {"params": held * precision.param_bytes, "grads": held * precision.grad_bytes,
+            "optimizer": round(moments), "optimizer_step_temp": round(moments / 2)}
+
+
 def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0) -> tuple[float, float]:
     """(bytes the language model keeps for backward, one layer's share) for `tokens` tokens at TP degree `tp`,
     `b` bytes per element, `recomputed` layers checkpointed: the per-token count of this module's docstring,
@@ -119,8 +126,6 @@ def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
     prec = precision_of(cfg.model.precision)
     module = meta_stage(model_config, stage)
     shapes = full_shapes(model_config, stage, module)
-    held = layout.state_numel(shapes, 0)  # type: ignore[arg-type]
-    moments = held * layout.optimizer_fraction * prec.optimizer_bytes
     b = activation_bytes_per_element(cfg, stage)
     ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
     tokens = cfg.data.microbatch_tokens
@@ -145,9 +150,8 @@ def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
         transients += 2 * largest_unit * prec.param_bytes
     return RankPlan(
         stage=stage, layout=s.parallelism, degree=s.degree, num_actors=s.num_actors, precision=prec.name,
-        activation_checkpointing=ac.mode, params=held * prec.param_bytes, grads=held * prec.grad_bytes,
-        optimizer=round(moments), optimizer_step_temp=round(moments / 2), activations=round(activations),
-        transients=round(transients),
+        activation_checkpointing=ac.mode, **model_state_bytes(layout, prec, shapes),
+        activations=round(activations), transients=round(transients),
     )
 
 
@@ -200,8 +204,13 @@ def advice(cfg: Any, result: dict[str, Any], model_config: Any) -> list[str]:
     for stage, r in result["ranks"].items():
         if r.activation_checkpointing != "full" and r.activations > r.total / 4:
             out.append(f"{stage}.activation_checkpointing=full (activations are {r.activations / GIB:.1f} GiB)")
-    if cfg.model.precision == "fp32":
-        out.append("model.precision=bf16 (8 instead of 16 bytes per parameter)")
+    from dhp.models.precision import PRECISIONS, precision_of
+
+    current = precision_of(cfg.model.precision)
+    cheapest = min(PRECISIONS.values(), key=lambda p: p.bytes_per_param)
+    if current.bytes_per_param > cheapest.bytes_per_param:
+        out.append(f"model.precision={cheapest.name} ({cheapest.bytes_per_param} instead of "
+                   f"{current.bytes_per_param} bytes per parameter)")
     for stage in ("text", "vision"):
         if _can_double(cfg, model_config, stage):
             s = getattr(cfg, stage)

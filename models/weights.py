@@ -142,13 +142,3 @@ def save_shard(state: dict[str, torch.Tensor], out_dir: str | os.PathLike, filen
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / filename), metadata={"format": "pt"})
     return {name: filename for name in state}
-
-
-def write_index(out_dir: str | os.PathLike, weight_map: dict[str, str], config) -> None:
-    """The index and config.json that make `out_dir` loadable by `from_pretrained`."""
-    out = Path(out_dir)
-    total = sum(os.path.getsize(out / f) for f in set(weight_map.values()))
-    (out / INDEX_FILE).write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=1)
-    )
-    config.save_pretrained(out)

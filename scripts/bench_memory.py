@@ -56,20 +56,16 @@ def computed_row(model: str, stage: str, layout: str, degree: int, num_actors: i
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     from dhp.models.architectures import architecture_config
     from dhp.models.layouts import make_layout
+    from dhp.models.memory_plan import model_state_bytes
     from dhp.models.precision import precision_of
 
     lay = make_layout(stage, layout, degree, num_actors, architecture_config(model))
-    prec = precision_of(precision)
-    numel = [lay.state_numel(shapes, r) for r in range(num_actors)]  # type: ignore[arg-type]
-    params, moments = numel[0], numel[0] * lay.optimizer_fraction
+    states = [model_state_bytes(lay, precision_of(precision), shapes, r) for r in range(num_actors)]
     row = dict(
         model=model, stage=stage, layout=layout, degree=degree, num_actors=num_actors, precision=precision,
-        params_bytes=params * prec.param_bytes, grads_bytes=params * prec.grad_bytes,
-        optimizer_bytes=round(moments * prec.optimizer_bytes),
-        optimizer_step_temp_bytes=round(moments * prec.optimizer_bytes / 2),  # foreach AdamW: sqrt(v) + eps
+        **{f"{k}_bytes": v for k, v in states[0].items()},
         largest_tensor_bytes=max(math.prod(s) for s in shapes.values()) * 4,  # replayed / gathered in fp32
-        checkpoint_bytes=round(sum(n * prec.param_bytes + n * lay.optimizer_fraction * prec.optimizer_bytes
-                                   for n in numel)),
+        checkpoint_bytes=sum(s["params"] + s["optimizer"] for s in states),  # every rank's tensors + its moments
     )
     row["held_bytes"] = row["params_bytes"]  # after setup: parameters (gradients and moments come with step 1)
     row["state_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]

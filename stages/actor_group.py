@@ -50,9 +50,6 @@ class DistributedWorker:
             backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
         )
         self.ranks = pool_ranks(self.rank, self.world_size, degree, self.device)
-        self.degree, self.dp = degree, self.world_size // degree
-        self.replica, self.model_rank = self.ranks.replica, self.ranks.model_rank
-        self.model_group, self.dp_group = self.ranks.model_group, self.ranks.dp_group
 
     def setup(self) -> None:
         """Work that needs the process groups (model construction in stage workers)."""

@@ -141,27 +141,32 @@ class StageWorker(DistributedWorker):
     def autocast(self):
         return self.precision.autocast(self.device, self.cfg.model.dtype)
 
+    @property
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over this rank's share: under ZeRO-1 the wrapper's inner one (its partition only)."""
+        return getattr(self.optimizer, "optim", self.optimizer)
+
+    def _moments(self) -> list[torch.Tensor]:
+        """This rank's AdamW state tensors (not the 0-dim step counters)."""
+        return [v for st in self.local_optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim]
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of this rank's parameters, gradients (those present) and AdamW states (its ZeRO-1 share):
         what the memory plan predicts (models/memory_plan.py)."""
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)
 
         def nbytes(tensors) -> int:  # not by storage: FSDP2's gradients are views of one reduce-scatter buffer
             return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
 
         params = list(self.model.parameters())  # a tied parameter once
-        states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim]
         return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
-                "optimizer": nbytes(states)}
+                "optimizer": nbytes(self._moments())}
 
     def state_dtypes(self) -> dict[str, Any]:
         """Dtypes of this rank's parameters and optimizer states, and how many parameters' states it holds."""
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's partition
-        states = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim]
         return {
             "params": {n: str(p.dtype) for n, p in self.model.named_parameters()},
-            "optimizer": sorted({str(v.dtype) for v in states}),
-            "params_with_state": len(optimizer.state),
+            "optimizer": sorted({str(v.dtype) for v in self._moments()}),
+            "params_with_state": len(self.local_optimizer.state),
             "params_total": sum(1 for _ in self.model.parameters()),
         }
 
@@ -260,9 +265,8 @@ class StageWorker(DistributedWorker):
         LR scheduler and RNG states. Read back with `torch.load(weights_only=True)`: no pickled code.
         Returns the manifest entries of the files it wrote (hashed here: every rank in parallel)."""
         tensors = self.save_local(ckpt_dir)
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's partition only
         state = {
-            "optimizer": _to_local(optimizer.state_dict()),
+            "optimizer": _to_local(self.local_optimizer.state_dict()),  # ZeRO-1: this rank's partition only
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.empty(0),
@@ -281,8 +285,7 @@ class StageWorker(DistributedWorker):
             for name, t in own.items():
                 local_tensor(t).copy_(local[name])
         state = torch.load(Path(ckpt_dir) / f"{self.stage}-rank{self.rank:05d}-state.pt", weights_only=True)
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)
-        optimizer.load_state_dict(_like_params(state["optimizer"], optimizer))
+        self.local_optimizer.load_state_dict(_like_params(state["optimizer"], self.local_optimizer))
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # a ZeRO wrapper keeps its own groups, which it copies into its partition's
