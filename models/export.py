@@ -3,11 +3,15 @@
 A dhp checkpoint directory holds `{stage}-rank{rank:05d}.safetensors` (each rank's local tensors under
 module names: slices under tensor parallelism, rows under ZeRO-3, full copies otherwise), `config.json`
 (the model's `Qwen2_5_VLConfig`) and `dhp_checkpoint.json` (each stage's layout). Export opens only the
-ranks that make one copy of each stage (`layout.state_ranks`, memory-mapped), plans the output from their
-headers (full shapes by gathering meta tensors), then reassembles one full tensor at a time as the workers
-do (`layout.gather` of that tensor's parts), renames it as transformers does and writes it into
-`output.max_shard_size` shards (models/hf_writer.py), so `from_pretrained(out)` loads it. Peak memory is
-the largest tensor twice (its parts and the gathered whole), never a stage.
+ranks that make one copy of each stage (`layout.state_ranks`), plans the output from their headers (full
+shapes by gathering meta tensors), then assembles one full tensor at a time: each rank's part is read (plain
+file reads, no memory map) into its place in the output tensor, found by the layout's own `slicer` (the
+index a rank's part has in the full tensor, as the workers use it to load). A part that is a contiguous block
+of the output (ZeRO-3 rows, vocab-parallel rows, column-parallel rows, a fused qkv's blocks) is read straight
+into it; a strided one (row-parallel columns) a few rows at a time (`hf_writer.CHUNK_BYTES`).
+The tensor is renamed as transformers does and written into `output.max_shard_size` shards
+(models/hf_writer.py), so `from_pretrained(out)` loads it. Peak memory: the largest tensor plus 16 MiB
+(tests/test_export_streaming.py measures it), never a stage.
 """
 
 from __future__ import annotations
@@ -17,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import Qwen2_5_VLConfig
 
-from dhp.models.hf_writer import DEFAULT_MAX_SHARD_SIZE, DTYPE_OF, Entry, write_shards
+from dhp.models.hf_writer import DEFAULT_MAX_SHARD_SIZE, Entry, SafetensorsReader, write_shards
 from dhp.models.layouts import make_layout
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 
@@ -49,28 +52,47 @@ def export_hf(
     meta = read_meta(ckpt_dir)
     config = Qwen2_5_VLConfig.from_pretrained(ckpt_dir)
     entries: list[Entry] = []
-    sources: dict[str, tuple[Any, list[Any], str]] = {}  # hf name -> (layout, open rank files, module name)
-    for stage, lay in meta["layout"].items():
-        layout = make_layout(stage, lay["parallelism"], lay["degree"], lay["num_actors"], config)
-        files = [ckpt_dir / f"{stage}-rank{r:05d}.safetensors" for r in layout.state_ranks(0)]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{ckpt_dir}: missing rank files {missing}")
-        handles = [safe_open(str(f), framework="pt") for f in files]
-        for name in sorted(handles[0].keys()):
-            hf = HF_NAME[stage](name)
-            if stage == "text" and config.tie_word_embeddings and hf == "lm_head.weight":
-                continue  # stored once, under the embedding
-            parts = [h.get_slice(name) for h in handles]
-            dtype = DTYPE_OF[parts[0].get_dtype()]
-            metas = [{name: torch.empty(p.get_shape(), dtype=dtype, device="meta")} for p in parts]
-            entries.append(Entry(hf, tuple(layout.gather(metas)[name].shape), dtype))
-            sources[hf] = (layout, handles, name)
+    sources: dict[str, tuple[Any, list[int], list[SafetensorsReader], str]] = {}  # hf name -> where its parts are
+    readers: list[SafetensorsReader] = []
+    try:
+        for stage, lay in meta["layout"].items():
+            layout = make_layout(stage, lay["parallelism"], lay["degree"], lay["num_actors"], config)
+            ranks = layout.state_ranks(0)
+            files = [ckpt_dir / f"{stage}-rank{r:05d}.safetensors" for r in ranks]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{ckpt_dir}: missing rank files {missing}")
+            handles = [SafetensorsReader(f) for f in files]
+            readers += handles
+            for name in sorted(handles[0].keys()):
+                hf = HF_NAME[stage](name)
+                if stage == "text" and config.tie_word_embeddings and hf == "lm_head.weight":
+                    continue  # stored once, under the embedding
+                metas = [{name: torch.empty(h.entries[name].shape, dtype=h.entries[name].dtype, device="meta")}
+                         for h in handles]
+                entries.append(Entry(hf, tuple(layout.gather(metas)[name].shape), handles[0].entries[name].dtype))
+                sources[hf] = (layout, ranks, handles, name)
 
-    def produce(e: Entry) -> torch.Tensor:
-        layout, handles, name = sources[e.name]
-        return layout.gather([{name: h.get_tensor(name)} for h in handles])[name]
+        def produce(e: Entry) -> torch.Tensor:
+            layout, ranks, handles, name = sources[e.name]
+            out = torch.empty(e.shape, dtype=e.dtype)
+            shapes = {name: torch.Size(e.shape)}
+            for rank, h in zip(ranks, handles):
+                slicer = layout.slicer(rank, shapes)
+                idx = slicer(name) if slicer else None
+                if idx is None:  # replicated: every holder has the whole tensor
+                    h.read_into(name, out)
+                    break
+                row = 0  # a list index: the part's rows are its blocks, one after another
+                for block in idx if isinstance(idx, list) else [idx]:
+                    target = out[block]
+                    h.read_into(name, target, row)
+                    row += target.shape[0]
+            return out
 
-    weight_map = write_shards(out_dir, entries, produce, max_shard_size)
+        weight_map = write_shards(out_dir, entries, produce, max_shard_size)
+    finally:
+        for h in readers:
+            h.close()
     config.save_pretrained(out_dir)
     return weight_map

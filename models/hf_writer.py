@@ -1,4 +1,4 @@
-"""Hugging Face safetensors shards written one tensor at a time.
+"""Hugging Face safetensors shards written one tensor at a time, and rank files read without a memory map.
 
 `safetensors.save_file` takes a dict of every tensor of the file, so a 5 GB shard means 5 GB in memory (and
 today's one-file-per-stage export meant the whole stage: ~64 GB for the 32B text stage). The format is
@@ -8,6 +8,12 @@ front (from the rank files' headers, or the meta model), the shards and their he
 (`plan_shards`: in order, a new file when the next tensor would pass `max_shard_size`, a larger tensor alone
 in its own, as transformers' `save_pretrained` does), and then each tensor is produced, written and dropped
 (`write_shards`): a process never holds more than the tensor being written (plus what produces it).
+
+Reading (`SafetensorsReader`) is by hand for the same reason in reverse: `safe_open` memory-maps the file,
+so every page a process has read stays in its resident set until the file is closed, and assembling one
+tensor from its parts would count the parts and the whole. Plain `readinto` puts a part's bytes where they
+go: straight into the output tensor when that part is a contiguous block of it, a few rows at a time
+through a small buffer when it is strided (a block of columns).
 
 Files are named `model-00001-of-0000N.safetensors` with `model.safetensors.index.json` (`total_size`: the
 bytes of all tensors), the layout `from_pretrained` loads.
@@ -28,6 +34,7 @@ import torch
 from dhp.models.weights import INDEX_FILE
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' default
+CHUNK_BYTES = 16 * 2**20  # reading a strided part: rows at a time through a buffer this large
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -87,6 +94,61 @@ def _header(entries: list[Entry]) -> bytes:
         offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
+
+
+class SafetensorsReader:
+    """One safetensors file: its header parsed once, each tensor read on request with plain file reads."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115  (closed in close())
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        header = json.loads(self._file.read(n))
+        header.pop("__metadata__", None)
+        self._base = 8 + n
+        self.entries = {
+            name: Entry(name, tuple(h["shape"]), DTYPE_OF[h["dtype"]]) for name, h in header.items()
+        }
+        self._offsets = {name: h["data_offsets"][0] for name, h in header.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def read_into(self, name: str, target: torch.Tensor, row: int = 0) -> None:
+        """Fill `target` with the stored tensor's rows `row : row + len(target)` (all of a 0-dim tensor).
+        A contiguous target is read into directly; a strided one (a block of columns of a larger tensor)
+        through a buffer of at most `CHUNK_BYTES`, so reading never holds a second copy of a part."""
+        e = self.entries[name]
+        rows = target.shape[0] if target.ndim else 1
+        row_bytes = e.nbytes // e.shape[0] if e.shape else e.nbytes
+        if target.dtype != e.dtype or tuple(target.shape[1:]) != e.shape[1:] or row + rows > (e.shape or (1,))[0]:
+            raise ValueError(f"{self.path}: {name} is {e.shape} {e.dtype}; asked rows {row}:{row + rows} as "
+                             f"{tuple(target.shape)} {target.dtype}")
+        if not target.is_contiguous():
+            step = max(1, CHUNK_BYTES // row_bytes)
+            for start in range(0, rows, step):
+                chunk = target[start : start + step]
+                buffer = torch.empty(chunk.shape, dtype=chunk.dtype)
+                self.read_into(name, buffer, row + start)
+                chunk.copy_(buffer)
+            return
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        self._file.seek(self._base + self._offsets[name] + row * row_bytes)
+        done = 0
+        while done < len(view):
+            got = self._file.readinto(view[done:])
+            if not got:
+                raise ValueError(f"{self.path}: truncated inside {name}")
+            done += got
+
+    def read(self, name: str) -> torch.Tensor:
+        e = self.entries[name]
+        out = torch.empty(e.shape, dtype=e.dtype)
+        self.read_into(name, out)
+        return out
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def shard_name(i: int, n: int) -> str:

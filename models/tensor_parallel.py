@@ -221,6 +221,18 @@ def shard_sliced(full_state: dict[str, torch.Tensor], slicer) -> dict[str, torch
     return out
 
 
+def write_part(target: torch.Tensor, idx, part: torch.Tensor) -> None:
+    """Inverse of `read_part`: `target[idx] = part`; a list index takes `part`'s rows block by block."""
+    if not isinstance(idx, list):
+        target[idx] = part
+        return
+    offset = 0
+    for i in idx:
+        rows = target[i].shape[0]
+        target[i] = part[offset : offset + rows]
+        offset += rows
+
+
 def gather_sliced(shards: list[dict[str, torch.Tensor]], slicer) -> dict[str, torch.Tensor]:
     """Inverse of `shard_sliced` over all ranks: `slicer(name, rank)` as there, `shards` in rank order."""
     out = {}
@@ -233,12 +245,8 @@ def gather_sliced(shards: list[dict[str, torch.Tensor]], slicer) -> dict[str, to
         shape = [n if parts[0][0][d] == slice(None) else max(p[d].stop for ps in parts for p in ps)
                  for d, n in enumerate(first.shape)]
         out[name] = first.new_empty(shape)
-        for shard, rank_parts in zip(shards, parts):  # a replicated KV head is written once per holder
-            offset = 0  # the local rows of a list index are its parts, one after another
-            for p in rank_parts:
-                rows = len(range(*p[0].indices(shape[0]))) if len(rank_parts) > 1 else shard[name].shape[0]
-                out[name][p] = shard[name][offset : offset + rows]
-                offset += rows
+        for shard, idx in zip(shards, idxs):  # a replicated KV head is written once per holder
+            write_part(out[name], idx, shard[name])
     return out
 
 

@@ -119,7 +119,8 @@ class Zero3(Layout):
         materialize_sharded(model, device)
 
     def slicer(self, rank: int, full_shapes: dict[str, torch.Size]):
-        return lambda name: zero3_slice(rank, self.num_actors, full_shapes[name][0])
+        # 0-dim tensors are not sharded (gather_zero3_state_dict keeps the first rank's)
+        return lambda name: zero3_slice(rank, self.num_actors, full_shapes[name][0]) if full_shapes[name] else None
 
     def grad_sync_group(self, ranks: PoolRanks) -> Any:
         return SKIP_SYNC
