@@ -111,16 +111,17 @@ class VitShape(NamedTuple("VitShape", [(f, int) for f in ("depth", "full", "d", 
         """Replicated under ViT tensor parallelism: norms, row-parallel biases, patch embed, ln_q, merger bias."""
         return PIXELS * self.d + self.depth * 4 * self.d + self.d + self.o
 
-    def activation_elements(self) -> tuple[int, int]:
-        """(replicated, shardable) saved-for-backward elements per patch, counted from transformers' modules."""
+    def activation_elements(self, recomputed: int = 0) -> tuple[float, float]:
+        """(replicated, shardable) saved-for-backward elements per patch, counted from transformers' modules;
+        `recomputed` blocks (activation checkpointing) keep only their input, [P, D]."""
         hd, d = self.d // self.h, self.d
         norm = 3 * d + 1  # RMSNorm keeps x, rsqrt, x * rsqrt; its output is saved by the next Linear
         attn = 7 * d + self.h  # q_rot, k_rot, the qkv output (v is a view of it), attention out, proj input; lse
         mlp = 4 * self.i  # gate, act(gate), up, act * up
         merger_mlp = 2 * d  # GELU input and output, [P/4, 4D] each
-        full = PIXELS + 2 * hd + self.depth * 2 * norm + norm  # pixels, cos/sin, the norms, ln_q
-        return full, self.depth * (attn + mlp) + merger_mlp
-
+        kept = self.depth - recomputed
+        full = PIXELS + 2 * hd + kept * 2 * norm + norm + recomputed * d  # pixels, cos/sin, the norms, ln_q
+        return full, kept * (attn + mlp) + merger_mlp
 
 class Layout:
     """The base is the plain data-parallel behaviour; each parallelism overrides what it changes."""
@@ -252,9 +253,10 @@ class Layout:
         """Gradient/parameter synchronisation bytes per rank (per step; `spans_pool`: per micro-batch)."""
         return 0.0
 
-    def vit_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
-        """Saved-for-backward bytes per rank; the window index and its inverse are int64 [P/4] each."""
-        full, sharded = s.activation_elements()
+    def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
+        """Saved-for-backward bytes per rank at the end of the forward (`recomputed` blocks checkpointed);
+        the window index and its inverse are int64 [P/4] each."""
+        full, sharded = s.activation_elements(recomputed)
         return (full + sharded) * patches * b + patches / 4 * 8 * 2
 
 

@@ -7,17 +7,22 @@ Per rank, in bytes, counted on the meta device (nothing allocated):
   moment of that share) while it steps;
 - activations kept for backward at the configured `data.microbatch_tokens`: vision with every token of a
   micro-batch an image token (4 patches each: the most a micro-batch can carry), from the layouts' own
-  saved-tensor formulas (checked against saved-tensor hooks by `dhp bench layouts`), times
-  `pipeline.max_in_flight` (each vision micro-batch in flight keeps its graph until its backward); text for
-  one micro-batch (forward and backward are one call) from the per-token formula below; with activation
-  checkpointing a recomputed block keeps only its input, plus one block's working set while it recomputes;
+  saved-tensor formulas (`vit_activation_bytes`), times `pipeline.max_in_flight` (each vision micro-batch
+  in flight keeps its graph until its backward); text for one micro-batch (forward and backward are one
+  call) from the per-token count below; with activation checkpointing a recomputed block keeps only its
+  input. Both are checked, for every layout of the parity test, against what the actors' saved-tensor
+  hooks count (tests/test_plan_measured.py: within 10 %; measured on CPU in fp32, exact for the decoder);
 - transients: the largest of the logits of a micro-batch's labelled positions (fp32, with their gradient,
-  vocabulary split under TP), one block's working set, ZeRO-3's all-gathered unit (with prefetch: two).
+  vocabulary split under TP) and one block's working set (also what a checkpointed block rebuilds in
+  backward), plus ZeRO-3's all-gathered unit (with prefetch: two).
 
-Text decoder layer, saved elements per token (transformers' Qwen2_5_VLDecoderLayer under SDPA, TP degree t,
-hidden H, MLP I, KV width K = kv_heads x head_dim): replicated 4H (layer input, its RMSNorm output, the
-residual after attention and its RMSNorm output); split by t: q, k, v (H + 2K), rotated q, k (H + K), the
-attention output (H), gate, up, act(gate), act(gate) x up (4I).
+Text decoder layer, saved per token (transformers' Qwen2_5_VLDecoderLayer under SDPA, TP degree t, hidden
+H, MLP I, n heads of width d, KV width per rank K_t = max(1, kv_heads / t) x d: KV heads are replicated
+when t exceeds them): replicated, each of the two RMSNorms keeps its input, rsqrt and x x rsqrt (2H + 1,
+fp32: Qwen2RMSNorm computes in fp32) and its output (H, which the next Linear saves); split by t: the
+rotated q (H), the attention output (H, also o_proj's input), SDPA's logsumexp (n, fp32), gate, act(gate),
+up and act(gate) x up (4I); per rank the rotated k and v (2 K_t). Once: cos and sin (2d, unless every layer
+is recomputed) and the final norm's input, rsqrt, x x rsqrt (2H + 1, fp32).
 
 A plan is an estimate with stated assumptions, not an allocator trace: the CUDA caching allocator's
 fragmentation and the CUDA context (~0.5-1 GiB) come on top, which is why the check keeps a margin
@@ -88,13 +93,6 @@ def activation_bytes_per_element(cfg: Any, stage: str) -> int:
     return 2 if pure or (on_gpu and compute == "bfloat16") else 4
 
 
-def _kept(per_block: float, block_input: float, blocks: int, recomputed: int) -> float:
-    """Activations of `blocks` blocks of which `recomputed` keep only their input (+ one working set)."""
-    if recomputed == 0:
-        return blocks * per_block
-    return (blocks - recomputed) * per_block + recomputed * block_input + per_block
-
-
 def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0) -> dict[str, int]:
     """Parameter, gradient and AdamW bytes rank `rank` holds (the layout's elements and ZeRO-1 share, the
     precision's bytes), and torch's foreach-AdamW temporary while it steps (one moment of that share)."""
@@ -104,15 +102,25 @@ def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, 
             "optimizer": round(moments), "optimizer_step_temp": round(moments / 2)}
 
 
+def vision_activations(layout: Any, shape: Any, patches: int, b: int, recomputed: int = 0) -> float:
+    """Bytes one vision rank keeps for backward at the end of a micro-batch's forward of `patches` patches
+    (the replica's; `layout` divides them), `recomputed` blocks checkpointed: the layout's own formula."""
+    return layout.vit_activation_bytes(shape, patches, b, recomputed)
+
+
 def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0) -> tuple[float, float]:
-    """(bytes the language model keeps for backward, one layer's share) for `tokens` tokens at TP degree `tp`,
-    `b` bytes per element, `recomputed` layers checkpointed: the per-token count of this module's docstring,
-    plus the embedding output and the final norm's input and output."""
-    kv = t.num_key_value_heads * (t.hidden_size // t.num_attention_heads)
-    h, i = t.hidden_size, t.intermediate_size
-    per_block = tokens * b * (4 * h + (3 * h + 3 * kv + 4 * i) / tp)
-    kept = _kept(per_block, tokens * h * b, t.num_hidden_layers, recomputed) + 3 * tokens * h * b
-    return kept, per_block
+    """(bytes the decoder keeps for backward at the end of its forward, one layer's share) for `tokens`
+    tokens at TP degree `tp`, `b` bytes per element, `recomputed` layers checkpointed: the per-token count
+    of this module's docstring."""
+    h, i, n = t.hidden_size, t.intermediate_size, t.num_attention_heads
+    d = h // n
+    kv = max(1, t.num_key_value_heads // tp) * d
+    norm = (2 * h + 1) * 4 + h * b
+    per_layer = tokens * (2 * norm + b * (2 * h + 4 * i) / tp + 4 * n / tp + 2 * b * kv)
+    layers = t.num_hidden_layers
+    rope = 2 * d * b if recomputed < layers else 0
+    kept = (layers - recomputed) * per_layer + tokens * (recomputed * h * b + rope + (2 * h + 1) * 4)
+    return kept, per_layer
 
 
 def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
@@ -133,12 +141,9 @@ def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
         v = model_config.vision_config
         shape = VitShape.of(v.to_dict())
         patches = 4 * tokens
-        every_block = layout.vit_activation_bytes(shape, patches, b)
-        per_block = every_block / shape.depth
-        block_input = patches / max(1, layout.loader_shards) * shape.d * b
         recomputed = len(ac.chosen(shape.depth))
-        activations = _kept(per_block, block_input, shape.depth, recomputed) * cfg.pipeline.max_in_flight
-        transients = per_block
+        activations = vision_activations(layout, shape, patches, b, recomputed) * cfg.pipeline.max_in_flight
+        transients = vision_activations(layout, shape, patches, b) / shape.depth  # one block, and then some
     else:
         t = model_config.text_config
         tp = layout.degree

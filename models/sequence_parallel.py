@@ -330,11 +330,12 @@ class SequenceParallel(Layout):
         """ZeRO-1: a 2(N-1)/N all-reduce of every gradient, then an (N-1)/N broadcast of every parameter."""
         return 3 * (self.degree - 1) / self.degree * s.params() * b
 
-    def vit_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
+    def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
         """Everything / N; a full block keeps the all-to-all output instead of q, k, qkv; only the inverse
-        window index is kept."""
+        window index is kept. Recomputed blocks: their share of the full ones, by proportion."""
         n = self.degree
         if n == 1:
-            return super().vit_activation_bytes(s, patches, b)
-        full, sharded = s.activation_elements()
-        return (full + sharded - s.full * 2 * s.d) * patches / n * b + patches / 4 * 8
+            return super().vit_activation_bytes(s, patches, b, recomputed)
+        full, sharded = s.activation_elements(recomputed)
+        full_kept = s.full * (s.depth - recomputed) / s.depth
+        return (full + sharded - full_kept * 2 * s.d) * patches / n * b + patches / 4 * 8

@@ -217,9 +217,9 @@ class VisionTensorParallel(TensorParallel):
         """By convention, an all-reduce of the replicated parameters (which dhp skips: identical gradients)."""
         return 2 * (self.degree - 1) / self.degree * s.replicated_params() * b
 
-    def vit_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
-        """The per-block attention and MLP activations / N; pixels, rotary, norms replicated."""
+    def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
+        """The per-block attention and MLP activations / N; pixels, rotary, norms, block inputs replicated."""
         if self.degree == 1:
-            return super().vit_activation_bytes(s, patches, b)
-        full, sharded = s.activation_elements()
+            return super().vit_activation_bytes(s, patches, b, recomputed)
+        full, sharded = s.activation_elements(recomputed)
         return (full + sharded / self.degree) * patches * b + patches / 4 * 8 * 2

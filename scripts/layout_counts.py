@@ -14,13 +14,13 @@ bench_layouts.py): `dist.all_reduce` / `all_gather` / `broadcast` go to the acti
 micro-batch's forward + backward runs and to the sync count afterwards; `all_to_all_single_autograd` is
 always activation (its backward by a hook on its output); FSDP2's `dist.all_gather_single` /
 `reduce_scatter_single` (torch 2.13 calls these, also on gloo) are always parameter/gradient sync.
-Saved tensors: `saved_tensors_hooks`, deduplicated by storage, minus the storages of the parameters as
-they are at that moment (FSDP2's all-gathered ones included). Figures are means over the ranks.
+Saved tensors: `models/saved_tensors.py` (`saved_tensors_hooks`, deduplicated by storage, minus the
+storages of the parameters as they are at that moment, FSDP2's all-gathered ones included). Figures are
+means over the ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -28,6 +28,8 @@ import tempfile
 from datetime import timedelta
 
 import torch
+
+from dhp.models.saved_tensors import SavedBytes
 
 REAL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)
 REAL_VISION["fullatt_block_indexes"] = [7, 15, 23, 31]
@@ -47,24 +49,6 @@ def grid_of(p: int) -> torch.Tensor:
     return torch.tensor([[1, h, p // h]])
 
 
-@contextlib.contextmanager
-def saved_bytes(model):
-    """Yields a dict whose "total" becomes the bytes of distinct storages autograd saved (parameters excluded)."""
-    seen, result = {}, {}
-
-    def pack(t):
-        # Parameters as they are now: FSDP2 swaps a unit's all-gathered ones in while it runs (DTensors: shards).
-        params = {q.untyped_storage().data_ptr() for q in model.parameters() if not hasattr(q, "to_local")}
-        st = getattr(t, "elem", t).untyped_storage()  # the all-to-all's AsyncCollectiveTensor wraps a tensor
-        if st.data_ptr() not in params:
-            seen.setdefault(st.data_ptr(), st.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
-    result["total"] = sum(seen.values())
-
-
 def build_model():
     from transformers import Qwen2_5_VLConfig
 
@@ -82,10 +66,10 @@ def _pixels(p: int, seed: int = 0) -> torch.Tensor:
 
 def measure_none(p: int) -> dict:
     _, model = build_model()
-    with saved_bytes(model) as saved:
+    with SavedBytes(model) as saved:
         out = model(_pixels(p), grid_of(p))
     out.sum().backward()
-    return dict(layout="none", degree=1, seq_len=p, comm=0, grad=0, act=saved["total"])
+    return dict(layout="none", degree=1, seq_len=p, comm=0, grad=0, act=saved.total)
 
 
 class Counter:
@@ -183,7 +167,7 @@ def _run(name: str, counter: Counter, p: int) -> dict:
         return sp.gather_merged(shard, plan, rank, group)  # the boundary's gather, counted as activation comm
 
     counter.reset()
-    with saved_bytes(model) as saved:
+    with SavedBytes(model) as saved:
         out = forward()
     out.sum().backward()
     counter.phase = "grad"
@@ -195,7 +179,7 @@ def _run(name: str, counter: Counter, p: int) -> dict:
         dist.all_reduce(q.grad)
     if opt is not None:  # ZeRO-1: each rank's share steps and is broadcast
         opt.step()
-    return dict(comm=counter.comm, grad=counter.grad, act=saved["total"])
+    return dict(comm=counter.comm, grad=counter.grad, act=saved.total)
 
 
 def _worker(rank: int, world: int, seqs: list[int], layouts: list[str], out_dir: str) -> None:

@@ -134,6 +134,7 @@ class StageWorker(DistributedWorker):
             self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.layout.optimizer_shard_group(self.ranks)
         )
         self._synced = False  # gradients summed over data-parallel replicas for this step?
+        self._measured: list[dict[str, int]] | None = None  # measure_activations' records while it is on
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
@@ -160,6 +161,17 @@ class StageWorker(DistributedWorker):
         params = list(self.model.parameters())  # a tied parameter once
         return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
                 "optimizer": nbytes(self._moments())}
+
+    def measure_activations(self, on: bool = True) -> list[dict[str, int]]:
+        """Start (on) or stop recording, per training forward, the bytes it keeps for backward (saved-tensor
+        hooks, models/saved_tensors.py) with the size of its input (`patches` / `tokens`): what the memory
+        plan predicts as activations. Returns the records so far and clears them."""
+        done, self._measured = self._measured or [], [] if on else None
+        self._measuring_changed(on)
+        return done
+
+    def _measuring_changed(self, on: bool) -> None:
+        """Hook point for a stage that measures from module hooks rather than around its own call."""
 
     def state_dtypes(self) -> dict[str, Any]:
         """Dtypes of this rank's parameters and optimizer states, and how many parameters' states it holds."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
+from dhp.models.saved_tensors import SavedBytes
 from dhp.stages.boundary import assemble, shard_gradients
 from dhp.stages.stage_worker import StageWorker, recorded
 
@@ -21,6 +22,29 @@ class TextWorker(StageWorker):
 
     def build_model(self, model_config: Any) -> TextModel:
         return TextModel(model_config)
+
+    def _measuring_changed(self, on: bool) -> None:
+        """The decoder (embedding output to final norm) only: the logits of the labelled positions are the
+        plan's transients, not activations."""
+        for h in getattr(self, "_measure_hooks", []):
+            h.remove()
+        self._measure_hooks = []
+        if not on:
+            return
+        decoder = self.model.language_model
+        saved = SavedBytes(self.model)
+
+        def start(module, args, kwargs):
+            if torch.is_grad_enabled():
+                self._tokens = int(kwargs["inputs_embeds"].shape[:2].numel())
+                saved.start()
+
+        def stop(module, args, kwargs, output):
+            if torch.is_grad_enabled():
+                self._measured.append({"tokens": self._tokens, "bytes": saved.stop()})
+
+        self._measure_hooks = [decoder.register_forward_pre_hook(start, with_kwargs=True),
+                               decoder.register_forward_hook(stop, with_kwargs=True)]
 
     def _null_inputs(self) -> dict[str, torch.Tensor]:
         """Two text tokens, the second labelled: runs every layer and lm_head; used with loss_scale 0.

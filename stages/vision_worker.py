@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dhp.models.qwen2_5_vl import VisionModel
+from dhp.models.saved_tensors import SavedBytes
 from dhp.stages.stage_worker import StageWorker, recorded
 
 
@@ -48,7 +49,13 @@ class VisionWorker(StageWorker):
     @recorded("forward")
     def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """inputs None: a padding micro-batch of a lockstep (ZeRO-3) replica."""
-        embeds = self._encode(inputs)
+        if self._measured is not None and inputs is not None:  # measure_activations: the whole encoder call
+            with SavedBytes(self.model) as saved:
+                embeds = self._encode(inputs)
+            patches = int(inputs["image_grid_thw"].prod(-1).sum())  # the replica's, also under SP
+            self._measured.append({"patches": patches, "bytes": saved.total})
+        else:
+            embeds = self._encode(inputs)
         if embeds.requires_grad:
             self.pending[mb_id] = embeds
         return embeds.detach().float().cpu()

@@ -57,45 +57,47 @@ def _microbatch(chosen: list[dict], cfg) -> MicroBatch:
     return MicroBatch([ray.put(p) for p in parts], ray.put(text), meta)
 
 
-@pytest.mark.parametrize(
-    ("layout", "replicas"),
-    [
-        # one vision + one text actor; three micro-batches, one of them text-only (an empty vision call)
-        ([], [[[0], [1], [2]]]),
-        # data parallel x2 on both pools: replicas see different samples, gradients are summed
-        (["vision.num_actors=2", "text.num_actors=2"], [[[0], [2]], [[1]]]),
-        # text tensor parallel x2 (vision pool 1 actor, text pool 2: M:N boundary 1 -> 2)
-        (["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"], [[[0], [1, 2]]]),
-        # text tensor parallel x4 (KV heads replicated: tiny has 2) with data parallel x2 on both pools
-        (["vision.num_actors=2", "text.parallelism=tensor", "text.num_actors=8", "text.degree=4"],
-         [[[0]], [[1], [2]]]),
-        # vision sequence parallel x2 (Ulysses), text tensor parallel x2
-        (SP2 + TP2, [[[0, 1], [2]]]),
-        # sp4 / tp2: the 4x6-patch image is smaller than a window, so some SP ranks hold nothing of it
-        (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2, [[[0], [1, 2]]]),
-        # sp2 / tp4 (vision pool 2 actors, text pool 4)
-        (SP2 + ["text.parallelism=tensor", "text.num_actors=4", "text.degree=4"], [[[0, 1, 2]]]),
-        # sp2 x dp2 and tp2 x dp2
-        (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2",
-          "text.parallelism=tensor", "text.num_actors=4", "text.degree=2"], [[[0], [2]], [[1]]]),
-        # ZeRO-3 on both pools (2 actors each = 2 replicas): replica 1 has one micro-batch fewer (padded),
-        # and the text-only micro-batch makes vision rank 0 encode a placeholder to join the all-gathers
-        (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"],
-         [[[0], [2]], [[1]]]),
-        # the uniform tensor-parallel baseline: vision TP 2 and text TP 2
-        (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2, [[[0], [1, 2]]]),
-        # activation checkpointing: recomputed blocks re-run their collectives in backward, in the same order
-        # on every rank (sp4: ranks holding no patches recompute their empty blocks and join)
-        (AC_EVERY_2, [[[0], [1], [2]]]),
-        (SP2 + TP2 + AC_FULL, [[[0, 1], [2]]]),
-        (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
-        (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
-        (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"]
-         + AC_FULL, [[[0], [2]], [[1]]]),
-    ],
-    ids=["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2",
-         "1v1t-ac2", "sp2-tp2-ac", "sp4-tp2-ac", "tp2-tp2-ac", "zero3-zero3-ac"],
-)
+# (overrides, each replica's micro-batches as sample indices): every layout dhp must train exactly like the
+# reference; tests/test_plan_measured.py holds the memory plan to what these same layouts keep.
+LAYOUTS = [
+    # one vision + one text actor; three micro-batches, one of them text-only (an empty vision call)
+    ([], [[[0], [1], [2]]]),
+    # data parallel x2 on both pools: replicas see different samples, gradients are summed
+    (["vision.num_actors=2", "text.num_actors=2"], [[[0], [2]], [[1]]]),
+    # text tensor parallel x2 (vision pool 1 actor, text pool 2: M:N boundary 1 -> 2)
+    (["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"], [[[0], [1, 2]]]),
+    # text tensor parallel x4 (KV heads replicated: tiny has 2) with data parallel x2 on both pools
+    (["vision.num_actors=2", "text.parallelism=tensor", "text.num_actors=8", "text.degree=4"],
+     [[[0]], [[1], [2]]]),
+    # vision sequence parallel x2 (Ulysses), text tensor parallel x2
+    (SP2 + TP2, [[[0, 1], [2]]]),
+    # sp4 / tp2: the 4x6-patch image is smaller than a window, so some SP ranks hold nothing of it
+    (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2, [[[0], [1, 2]]]),
+    # sp2 / tp4 (vision pool 2 actors, text pool 4)
+    (SP2 + ["text.parallelism=tensor", "text.num_actors=4", "text.degree=4"], [[[0, 1, 2]]]),
+    # sp2 x dp2 and tp2 x dp2
+    (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2",
+      "text.parallelism=tensor", "text.num_actors=4", "text.degree=2"], [[[0], [2]], [[1]]]),
+    # ZeRO-3 on both pools (2 actors each = 2 replicas): replica 1 has one micro-batch fewer (padded),
+    # and the text-only micro-batch makes vision rank 0 encode a placeholder to join the all-gathers
+    (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"],
+     [[[0], [2]], [[1]]]),
+    # the uniform tensor-parallel baseline: vision TP 2 and text TP 2
+    (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2, [[[0], [1, 2]]]),
+    # activation checkpointing: recomputed blocks re-run their collectives in backward, in the same order
+    # on every rank (sp4: ranks holding no patches recompute their empty blocks and join)
+    (AC_EVERY_2, [[[0], [1], [2]]]),
+    (SP2 + TP2 + AC_FULL, [[[0, 1], [2]]]),
+    (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
+    (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
+    (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"]
+     + AC_FULL, [[[0], [2]], [[1]]]),
+]
+LAYOUT_IDS = ["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2",
+              "1v1t-ac2", "sp2-tp2-ac", "sp4-tp2-ac", "tp2-tp2-ac", "zero3-zero3-ac"]
+
+
+@pytest.mark.parametrize(("layout", "replicas"), LAYOUTS, ids=LAYOUT_IDS)
 def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, replicas):
     ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)

@@ -1,0 +1,113 @@
+"""The memory plan against what the actors really hold, for every layout of the parity test.
+
+A tiny-but-deep Qwen2.5-VL (16 ViT blocks, 4 of them full attention; 12 decoder layers; the tiny widths and
+the real vocabulary), one 2 048-patch image per micro-batch. For each layout of tests/test_parity.py, one
+training step: every rank records the bytes its training forward keeps for backward (saved-tensor hooks,
+`StageWorker.measure_activations`: the whole encoder call; the decoder from embedding output to final norm)
+and reports its parameter, gradient and AdamW bytes (`state_bytes`). The plan's formulas, evaluated for that
+rank at that micro-batch's size (`memory_plan.vision_activations` / `text_activations`, `model_state_bytes`),
+must be within 10 % of each: a change to the model or the code that the plan does not follow fails here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+import torch
+from PIL import Image
+
+from dhp.dataflow.loader import GlobalBatch
+from dhp.models.activation_checkpointing import ActivationCheckpointing
+from dhp.models.layout import VitShape
+from dhp.models.layouts import stage_layout
+from dhp.models.memory_plan import (
+    activation_bytes_per_element,
+    full_shapes,
+    model_state_bytes,
+    text_activations,
+    vision_activations,
+)
+from dhp.models.precision import precision_of
+from dhp.stages.config import load_config
+from dhp.stages.trainer import Trainer
+from tests.test_parity import BASE, LAYOUT_IDS, LAYOUTS, _microbatch
+
+TOLERANCE = 0.10
+IMAGE = (896, 448)  # pixels: 64 x 32 patches of 14, 2 048 patches, 512 merged tokens
+
+
+@pytest.fixture(scope="module")
+def deep_setup(tmp_path_factory):
+    """A seeded tiny-but-deep checkpoint and one preprocessed one-image sample."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+    from dhp.scripts.bench_checkpointing import deep_config
+
+    config = deep_config(text_layers=12, vision_depth=16)
+    torch.manual_seed(0)
+    ckpt = tmp_path_factory.mktemp("deep_ckpt")
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(ckpt)
+    data = tmp_path_factory.mktemp("deep_data")
+    rng = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (IMAGE[1], IMAGE[0], 3), generator=rng, dtype=torch.uint8).numpy()
+    Image.fromarray(pixels).save(data / "a.png")
+    record = {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nDescribe it."},
+                                                  {"from": "gpt", "value": "Noise in many colours."}]}
+    settings = PreprocessSettings(str(data), min_pixels=56 * 56, max_pixels=IMAGE[0] * IMAGE[1], max_seq_len=1024)
+    sample = decode_sample(Preprocessor(settings, config)({"source": "t", "record": json.dumps(record)})["sample"])
+    assert int(sample["image_grid_thw"].prod()) == IMAGE[0] * IMAGE[1] // 14**2
+    return config, ckpt, sample
+
+
+def _planned(cfg, model_config, stage: str, record: dict, rank: int) -> tuple[int, dict[str, int]]:
+    """(activation bytes of the recorded micro-batch, model-state bytes) the plan gives pool rank `rank`."""
+    s = getattr(cfg, stage)
+    layout = stage_layout(cfg, stage, model_config)
+    b = activation_bytes_per_element(cfg, stage)
+    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
+    if stage == "vision":
+        shape = VitShape.of(model_config.vision_config.to_dict())
+        act = vision_activations(layout, shape, record["patches"], b, len(ac.chosen(shape.depth)))
+    else:
+        t = model_config.text_config
+        act, _ = text_activations(t, record["tokens"], layout.degree, b, len(ac.chosen(t.num_hidden_layers)))
+    states = model_state_bytes(layout, precision_of(cfg.model.precision), full_shapes(model_config, stage), rank)
+    return round(act), states
+
+
+@pytest.mark.parametrize(("layout", "replicas"), LAYOUTS, ids=LAYOUT_IDS)
+def test_plan_matches_what_the_actors_hold(deep_setup, ray_session, layout, replicas):
+    model_config, ckpt, sample = deep_setup
+    cfg = load_config("tiny", BASE + layout + [
+        f"model.path={ckpt}", "data.microbatch_tokens=1024", "vision.num_cpus_per_actor=0.5",
+        "text.num_cpus_per_actor=0.5",
+    ])
+    trainer = Trainer(cfg)
+    try:
+        for _, pool in trainer.pools():
+            pool.execute_all("measure_activations", True)
+        trainer.accumulate([GlobalBatch([_microbatch([sample], cfg)], epoch=0) for _ in replicas])
+        ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
+        before = {s: pool.execute_all("state_bytes") for s, pool in trainer.pools()}
+        trainer.optimizer_step()
+        after = {s: pool.execute_all("state_bytes") for s, pool in trainer.pools()}
+        measured = {s: pool.execute_all("measure_activations", False) for s, pool in trainer.pools()}
+    finally:
+        trainer.shutdown()
+    report = []
+    for stage in ("vision", "text"):
+        for rank, records in enumerate(measured[stage]):
+            assert records, f"{stage} rank {rank} recorded no training forward"
+            b, a = before[stage][rank], after[stage][rank]
+            for record in records:
+                act, states = _planned(cfg, model_config, stage, record, rank)
+                report.append((stage, rank, "activations", record["bytes"], act))
+            report += [(stage, rank, "params", b["params"], states["params"]),
+                       (stage, rank, "grads", b["grads"], states["grads"]),
+                       (stage, rank, "optimizer", a["optimizer"], states["optimizer"])]
+    print("\n".join(f"{s} r{r} {w}: measured {m} planned {p} ({p / m - 1:+.1%})" for s, r, w, m, p in report))
+    bad = [row for row in report if abs(row[4] - row[3]) > TOLERANCE * row[3]]
+    assert not bad, bad
