@@ -73,19 +73,25 @@ class TextWorker(StageWorker):
 
     @recorded("forward_backward")
     def forward_backward(
-        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: torch.Tensor
-    ) -> tuple:
-        """(loss of this micro-batch x loss_scale, d loss / d shard_1, ..., d loss / d shard_k).
+        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: torch.Tensor,
+        send_grads: bool = True,
+    ) -> tuple | float:
+        """(loss of this micro-batch x loss_scale, d loss / d shard_1, ..., d loss / d shard_k); with
+        `send_grads` False only the loss, and the shards' gradients are not even computed (the pool asks
+        this of every rank but the replica's first: theirs would be identical copies).
 
         loss_scale is 1 / label tokens of the whole global batch (all replicas), which makes the
         accumulated, data-parallel-summed gradient that of the mean loss over the global batch, however
         it was split into replicas and micro-batches. `shards` are the vision ranks' outputs (boundary.py).
+        The backward's collectives do not depend on `send_grads`: they run on every rank either way.
         """
         if inputs is None:  # padding for a lockstep (ZeRO-3) replica: no data, every collective
             inputs, loss_scale = self._null_inputs(), 0.0
-        received = [s.to(self.device).requires_grad_(True) for s in shards]
+        received = [s.to(self.device).requires_grad_(send_grads) for s in shards]
         loss = self._loss_sum(inputs, received) * loss_scale
         loss.backward()
+        if not send_grads:
+            return float(loss.detach())
         return (float(loss.detach()), *shard_gradients(received))
 
     @torch.no_grad()
