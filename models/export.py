@@ -26,6 +26,7 @@ from transformers import Qwen2_5_VLConfig
 from dhp.models.hf_writer import DEFAULT_MAX_SHARD_SIZE, Entry, SafetensorsReader, write_shards
 from dhp.models.layouts import make_layout
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
+from dhp.models.tensor_parallel import part_blocks
 
 META = "dhp_checkpoint.json"
 HF_NAME = {"vision": VisionModel.hf_name, "text": TextModel.hf_name}
@@ -83,11 +84,8 @@ def export_hf(
                 if idx is None:  # replicated: every holder has the whole tensor
                     h.read_into(name, out)
                     break
-                row = 0  # a list index: the part's rows are its blocks, one after another
-                for block in idx if isinstance(idx, list) else [idx]:
-                    target = out[block]
-                    h.read_into(name, target, row)
-                    row += target.shape[0]
+                for view, row in part_blocks(out, idx):
+                    h.read_into(name, view, row)
             return out
 
         weight_map = write_shards(out_dir, entries, produce, max_shard_size)

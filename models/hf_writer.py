@@ -120,7 +120,7 @@ class SafetensorsReader:
         through a buffer of at most `CHUNK_BYTES`, so reading never holds a second copy of a part."""
         e = self.entries[name]
         rows = target.shape[0] if target.ndim else 1
-        row_bytes = e.nbytes // e.shape[0] if e.shape else e.nbytes
+        row_bytes = math.prod(e.shape[1:]) * e.dtype.itemsize  # a 0-dim tensor: one row of one element
         if target.dtype != e.dtype or tuple(target.shape[1:]) != e.shape[1:] or row + rows > (e.shape or (1,))[0]:
             raise ValueError(f"{self.path}: {name} is {e.shape} {e.dtype}; asked rows {row}:{row + rows} as "
                              f"{tuple(target.shape)} {target.dtype}")

@@ -123,6 +123,7 @@ class VitShape(NamedTuple("VitShape", [(f, int) for f in ("depth", "full", "d", 
         full = PIXELS + 2 * hd + kept * 2 * norm + norm + recomputed * d  # pixels, cos/sin, the norms, ln_q
         return full, kept * (attn + mlp) + merger_mlp
 
+
 class Layout:
     """The base is the plain data-parallel behaviour; each parallelism overrides what it changes."""
 

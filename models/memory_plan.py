@@ -102,12 +102,6 @@ def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, 
             "optimizer": round(moments), "optimizer_step_temp": round(moments / 2)}
 
 
-def vision_activations(layout: Any, shape: Any, patches: int, b: int, recomputed: int = 0) -> float:
-    """Bytes one vision rank keeps for backward at the end of a micro-batch's forward of `patches` patches
-    (the replica's; `layout` divides them), `recomputed` blocks checkpointed: the layout's own formula."""
-    return layout.vit_activation_bytes(shape, patches, b, recomputed)
-
-
 def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0) -> tuple[float, float]:
     """(bytes the decoder keeps for backward at the end of its forward, one layer's share) for `tokens`
     tokens at TP degree `tp`, `b` bytes per element, `recomputed` layers checkpointed: the per-token count
@@ -123,9 +117,27 @@ def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0) 
     return kept, per_layer
 
 
-def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
+def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tuple[float, float]:
+    """(bytes one rank of `stage` keeps for backward at the end of a micro-batch's forward, one block's
+    working set) for `size` patches (vision: the replica's, the layout divides them) or tokens (text), with
+    the configured layout, precision and activation checkpointing."""
     from dhp.models.activation_checkpointing import ActivationCheckpointing
     from dhp.models.layout import VitShape
+    from dhp.models.layouts import stage_layout
+
+    s = getattr(cfg, stage)
+    layout = stage_layout(cfg, stage, model_config)
+    b = activation_bytes_per_element(cfg, stage)
+    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
+    if stage == "vision":
+        shape = VitShape.of(model_config.vision_config.to_dict())
+        kept = layout.vit_activation_bytes(shape, size, b, len(ac.chosen(shape.depth)))
+        return kept, layout.vit_activation_bytes(shape, size, b) / shape.depth  # one block, and then some
+    t = model_config.text_config
+    return text_activations(t, size, layout.degree, b, len(ac.chosen(t.num_hidden_layers)))
+
+
+def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
     from dhp.models.layouts import stage_layout
     from dhp.models.precision import precision_of
 
@@ -134,28 +146,20 @@ def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
     prec = precision_of(cfg.model.precision)
     module = meta_stage(model_config, stage)
     shapes = full_shapes(model_config, stage, module)
-    b = activation_bytes_per_element(cfg, stage)
-    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
     tokens = cfg.data.microbatch_tokens
-    if stage == "vision":
-        v = model_config.vision_config
-        shape = VitShape.of(v.to_dict())
-        patches = 4 * tokens
-        recomputed = len(ac.chosen(shape.depth))
-        activations = vision_activations(layout, shape, patches, b, recomputed) * cfg.pipeline.max_in_flight
-        transients = vision_activations(layout, shape, patches, b) / shape.depth  # one block, and then some
+    if stage == "vision":  # every token an image token: 4 patches each
+        activations, transients = kept_activations(cfg, model_config, stage, 4 * tokens)
+        activations *= cfg.pipeline.max_in_flight
     else:
-        t = model_config.text_config
-        tp = layout.degree
-        activations, per_block = text_activations(t, tokens, tp, b, len(ac.chosen(t.num_hidden_layers)))
-        logits = tokens * t.vocab_size / tp * 4 * 2
+        activations, per_block = kept_activations(cfg, model_config, stage, tokens)
+        logits = tokens * model_config.text_config.vocab_size / layout.degree * 4 * 2
         transients = max(logits, per_block)
     if layout.spans_pool:  # ZeRO-3: a unit's full parameters while it runs, and the next one prefetched
         largest_unit = max(sum(p.numel() for p in u.parameters()) for u in module.shard_units())
         transients += 2 * largest_unit * prec.param_bytes
     return RankPlan(
         stage=stage, layout=s.parallelism, degree=s.degree, num_actors=s.num_actors, precision=prec.name,
-        activation_checkpointing=ac.mode, **model_state_bytes(layout, prec, shapes),
+        activation_checkpointing=s.activation_checkpointing, **model_state_bytes(layout, prec, shapes),
         activations=round(activations), transients=round(transients),
     )
 

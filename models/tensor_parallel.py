@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import re
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -221,16 +222,20 @@ def shard_sliced(full_state: dict[str, torch.Tensor], slicer) -> dict[str, torch
     return out
 
 
+def part_blocks(target: torch.Tensor, idx) -> Iterator[tuple[torch.Tensor, int]]:
+    """(view of `target` at one block of `idx`, the part's first row in it) for each block: a list index's
+    blocks are the part's rows one after another (as `read_part` concatenates them); any other, one block."""
+    row = 0
+    for block in idx if isinstance(idx, list) else [idx]:
+        view = target[block]
+        yield view, row
+        row += view.shape[0]
+
+
 def write_part(target: torch.Tensor, idx, part: torch.Tensor) -> None:
-    """Inverse of `read_part`: `target[idx] = part`; a list index takes `part`'s rows block by block."""
-    if not isinstance(idx, list):
-        target[idx] = part
-        return
-    offset = 0
-    for i in idx:
-        rows = target[i].shape[0]
-        target[i] = part[offset : offset + rows]
-        offset += rows
+    """Inverse of `read_part`: `target[idx] = part`, block by block."""
+    for view, row in part_blocks(target, idx):
+        view.copy_(part[row : row + view.shape[0]])
 
 
 def gather_sliced(shards: list[dict[str, torch.Tensor]], slicer) -> dict[str, torch.Tensor]:

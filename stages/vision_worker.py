@@ -8,6 +8,7 @@ until `backward` receives d(loss)/d(embeddings) of the same shape from the text 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -49,13 +50,12 @@ class VisionWorker(StageWorker):
     @recorded("forward")
     def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """inputs None: a padding micro-batch of a lockstep (ZeRO-3) replica."""
-        if self._measured is not None and inputs is not None:  # measure_activations: the whole encoder call
-            with SavedBytes(self.model) as saved:
-                embeds = self._encode(inputs)
+        measuring = self._measured is not None and inputs is not None  # measure_activations: the encoder call
+        with SavedBytes(self.model) if measuring else contextlib.nullcontext() as saved:
+            embeds = self._encode(inputs)
+        if measuring:
             patches = int(inputs["image_grid_thw"].prod(-1).sum())  # the replica's, also under SP
             self._measured.append({"patches": patches, "bytes": saved.total})
-        else:
-            embeds = self._encode(inputs)
         if embeds.requires_grad:
             self.pending[mb_id] = embeds
         return embeds.detach().float().cpu()

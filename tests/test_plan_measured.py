@@ -5,7 +5,7 @@ the real vocabulary), one 2 048-patch image per micro-batch. For each layout of 
 training step: every rank records the bytes its training forward keeps for backward (saved-tensor hooks,
 `StageWorker.measure_activations`: the whole encoder call; the decoder from embedding output to final norm)
 and reports its parameter, gradient and AdamW bytes (`state_bytes`). The plan's formulas, evaluated for that
-rank at that micro-batch's size (`memory_plan.vision_activations` / `text_activations`, `model_state_bytes`),
+rank at that micro-batch's size (`memory_plan.kept_activations`, `model_state_bytes`),
 must be within 10 % of each: a change to the model or the code that the plan does not follow fails here.
 """
 
@@ -19,16 +19,8 @@ import torch
 from PIL import Image
 
 from dhp.dataflow.loader import GlobalBatch
-from dhp.models.activation_checkpointing import ActivationCheckpointing
-from dhp.models.layout import VitShape
 from dhp.models.layouts import stage_layout
-from dhp.models.memory_plan import (
-    activation_bytes_per_element,
-    full_shapes,
-    model_state_bytes,
-    text_activations,
-    vision_activations,
-)
+from dhp.models.memory_plan import full_shapes, kept_activations, model_state_bytes
 from dhp.models.precision import precision_of
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
@@ -64,16 +56,8 @@ def deep_setup(tmp_path_factory):
 
 def _planned(cfg, model_config, stage: str, record: dict, rank: int) -> tuple[int, dict[str, int]]:
     """(activation bytes of the recorded micro-batch, model-state bytes) the plan gives pool rank `rank`."""
-    s = getattr(cfg, stage)
+    act, _ = kept_activations(cfg, model_config, stage, record["patches" if stage == "vision" else "tokens"])
     layout = stage_layout(cfg, stage, model_config)
-    b = activation_bytes_per_element(cfg, stage)
-    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
-    if stage == "vision":
-        shape = VitShape.of(model_config.vision_config.to_dict())
-        act = vision_activations(layout, shape, record["patches"], b, len(ac.chosen(shape.depth)))
-    else:
-        t = model_config.text_config
-        act, _ = text_activations(t, record["tokens"], layout.degree, b, len(ac.chosen(t.num_hidden_layers)))
     states = model_state_bytes(layout, precision_of(cfg.model.precision), full_shapes(model_config, stage), rank)
     return round(act), states
 
