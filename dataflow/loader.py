@@ -102,6 +102,43 @@ def split_records(
     return rows[replica::num_replicas]
 
 
+def reshard_positions(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The `BatchLoader.state()`s of `n` replicas that continue where the `len(states)` = N replicas stopped
+    (a resume with another number of data-parallel replicas). n == N: `states` themselves, unchanged.
+
+    Replica r of N reads the epoch's shuffled records r, r + N, r + 2N, ... (`split_records`), so cursor c_r
+    means it consumed the records r + N*k, k < c_r. The consumed prefix of the epoch ends at
+    G = min_r (r + N * c_r): with equal cursors (no record skipped as bad, so every replica took the same
+    number) that is N * c, exact. Otherwise records past G that some replica already consumed are read
+    again (at most (N - 1) x (largest - smallest cursor) of them) rather than left out. New replica r' of n
+    has then consumed its records below G: cursor ceil((G - r') / n).
+
+    Epochs: a replica already in a later epoch than others counts as having consumed the whole earlier
+    one; all new replicas continue the earliest epoch from G. With several annotation files the stride is
+    per file, so G is exact within the first file (and wherever the record counts of the files before it
+    divide by N and n); past a file boundary a few records may be re-read or left out for that epoch.
+    Counters are run totals: skips by reason and their examples go to replica 0, `good` is split evenly
+    (each replica's stream refuses an epoch with no usable sample by its own count).
+    """
+    if n == len(states) or n == 0:  # n == 0: a trainer without training streams has nothing to position
+        return list(states)[:n]
+    if not states or n < 0:
+        raise ValueError(f"cannot reshard {len(states)} data positions into {n}")
+    epoch = min(s["epoch"] for s in states)
+    big = len(states)
+    consumed = min(r + big * s["cursor"] for r, s in enumerate(states) if s["epoch"] == epoch)
+    good = sum(s["good"] for s in states)
+    skipped: Counter[str] = Counter()
+    for s in states:
+        skipped.update(s["skipped"])
+    examples = [e for s in states for e in s["skip_examples"]][:MAX_SKIP_EXAMPLES]
+    return [
+        {"epoch": epoch, "cursor": max(0, -(-(consumed - r) // n)), "good": good // n + (r < good % n),
+         "skipped": dict(skipped) if r == 0 else {}, "skip_examples": examples if r == 0 else []}
+        for r in range(n)
+    ]
+
+
 def build_dataset(
     paths: list[str], settings: PreprocessSettings, model_config: Any, workers: int, num_cpus: float,
     seed: int | None, replica: int = 0, num_replicas: int = 1,
@@ -128,7 +165,7 @@ def build_dataset(
 
 
 class BatchLoader:
-    """Ray actor owning one stream of global batches (one per data-parallel replica, later)."""
+    """Ray actor owning one stream of global batches: one per text replica (stages/routing.py)."""
 
     def __init__(
         self, paths: list[str], settings: PreprocessSettings, model_config: Any, global_batch_size: int,

@@ -18,8 +18,10 @@ from the synthetic set) first in the serial order (pipeline.max_in_flight=1), th
                       after the last forward/backward: grad norm, optimizer steps, round trips).
   driver_overhead_ms  median time the driver spends submitting, per micro-batch.
 Goals (flags in the JSON, never asserted): ratio_to_max <= 1.15, speedup >= 1.3 when balanced,
-driver_overhead_ms <= 2. Chrome traces of one serial and one pipelined step per scenario, and a text
-timeline of them and a PNG of the same timelines (`plot_timelines`), are written next to the JSON.
+driver_overhead_ms <= 2. A fourth row, `vision_bound_scaling`, compares the same actors split Dv = Dt and
+Dv > Dt (fan-in) on a vision-bound model (scripts/bench_pool_scaling.py). Chrome traces of one serial and
+one pipelined step per scenario, a text timeline of them and a PNG of the same timelines (`plot_timelines`)
+are written next to the JSON.
 """
 
 from __future__ import annotations
@@ -307,6 +309,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="3 micro-batches, 2 steps, small models (< 60 s)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5, quick 2)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12, quick 3)")
+    p.add_argument("--scenario", action="append", choices=[*SCENARIOS, "vision_bound_scaling"], default=None,
+                   help="run only this scenario (repeatable; default: all four)")
     return p.parse_args(argv)
 
 
@@ -331,18 +335,22 @@ def main(args=None) -> int:
     own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session fixture) is reused, left running
     rows, texts = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        samples = load_samples(preset["microbatches"], Path(tmp))
+        from dhp.scripts import bench_pool_scaling as scaling
+
+        samples = load_samples(scaling.samples_needed(preset["microbatches"]), Path(tmp))
         fits = calibrate(samples[0], preset, reps=1 if args.quick else 3)
         print("calibration, seconds per micro-batch = a + b * depth: "
               + ", ".join(f"{s} a={a * 1e3:.1f} ms b={b * 1e3:.2f} ms" for s, (a, b) in fits.items()), flush=True)
         if own_ray:
-            # 3 logical CPUs on 2 cores: the trainer's resource check also reserves CPU for data loaders,
-            # which are not started here (the batch is built in this process); the pools take 1 CPU each.
+            # 4 logical CPUs on 2 cores: the trainer's resource check also reserves CPU for data loaders,
+            # which are not started here (the batch is built in this process); the pools take 1 CPU each
+            # (the scaling scenario: 4 actors of 0.5).
             local_ray_on_loopback()
-            ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:
-            batch = global_batch(samples)
-            for name in SCENARIOS:
+            batch = global_batch(samples[:preset["microbatches"]])
+            chosen = args.scenario or [*SCENARIOS, "vision_bound_scaling"]
+            for name in (n for n in SCENARIOS if n in chosen):
                 row, text = run_scenario(name, plan(fits, preset["unit_s"], preset["cap"])[name], preset, batch, out)
                 rows.append(row)
                 texts += text
@@ -352,14 +360,23 @@ def main(args=None) -> int:
                     a, b = fits[stage]
                     c = row[f"{stage}_ms_per_mb"] / 1e3 / (a + b * n)
                     fits[stage] = (a * c, b * c)
+            if "vision_bound_scaling" in chosen:
+                depth, layers, _ = plan(fits, preset["unit_s"], preset["cap"])["vision_heavy"]
+                rows.append(scaling.run(samples, model_config(preset, depth, layers), preset))
+                texts.append(scaling.table(rows[-1]))
         finally:
             if own_ray:
                 ray.shutdown()
-    print(table(rows))
+    pipelined = [r for r in rows if r["scenario"] in SCENARIOS]
+    if pipelined:
+        print(table(pipelined))
+    if len(pipelined) < len(rows):
+        print(scaling.table(rows[-1]))
     if out is not None:
         out.write_text(json.dumps(rows, indent=1))
         out.with_name(f"{out.stem}.timelines.txt").write_text("\n".join(texts) + "\n")
-        plot_timelines(PANELS, out.with_name(f"{out.stem}.timelines.png"))
+        if PANELS:
+            plot_timelines(PANELS, out.with_name(f"{out.stem}.timelines.png"))
         print(f"rows: {out}; Chrome traces and text timelines beside it ({out.stem}.*)")
     return 0
 

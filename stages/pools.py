@@ -1,9 +1,10 @@
 """The two stage pools as the driver sees them: each call returns object references at once.
 
 A pool is `dp x degree` actors: data-parallel replica i is actors [i*degree, (i+1)*degree), its ranks
-sharing one sample stream (sequence- or tensor-parallel inside the replica). Vision replica i feeds text
-replica i, so both pools must have the same number of replicas. Every reference returned here can be
-handed straight to the other pool: Ray moves the tensor actor to actor, the driver never fetches it.
+working on one micro-batch at a time (sequence- or tensor-parallel inside the replica). The two pools'
+replica counts are independent: each text replica has its own sample stream and any vision replica may
+encode any of its micro-batches (stages/routing.py). Every reference returned here can be handed
+straight to the other pool: Ray moves the tensor actor to actor, the driver never fetches it.
 
 Which transfer path a boundary tensor takes (the merged vision tokens [N, D] and their gradient):
 - same node (shared or disjoint placement on one machine, the CPU default): the producer's return value
@@ -26,8 +27,10 @@ from dhp.stages.actor_group import ActorGroup
 from dhp.stages.config import Config, ConfigError
 
 
-def data_parallel_size(cfg: Config) -> int:
-    return cfg.vision.num_actors // cfg.vision.degree
+def replicas(cfg: Config, stage: str) -> int:
+    """Data-parallel replicas of a pool: its actors / its degree (the text pool's = sample streams)."""
+    s = getattr(cfg, stage)
+    return s.num_actors // s.degree
 
 
 def check_layout(cfg: Config, model_config=None) -> None:
@@ -35,8 +38,11 @@ def check_layout(cfg: Config, model_config=None) -> None:
 
     Each layout class says what it needs (`check_degree`; with the model's config, `check_shape`: vision
     heads divisible by the SP degree, text heads / KV heads / vocabulary splittable by the TP degree).
+    The replica counts are free (fan-out and fan-in, routing.py) except where a lockstep text pool needs
+    more vision forwards alive than `pipeline.max_in_flight` allows (`routing.check_fan`).
     """
     from dhp.models.layouts import layout_class, stage_layout
+    from dhp.stages.routing import check_fan
 
     for stage in ("vision", "text"):
         s = getattr(cfg, stage)
@@ -46,23 +52,22 @@ def check_layout(cfg: Config, model_config=None) -> None:
             raise ConfigError(str(e)) from None
         if why:
             raise ConfigError(why)
-    dp_v, dp_t = cfg.vision.num_actors // cfg.vision.degree, cfg.text.num_actors // cfg.text.degree
-    if dp_v != dp_t:
-        raise ConfigError(
-            f"vision has {dp_v} data-parallel replicas (num_actors {cfg.vision.num_actors} / degree "
-            f"{cfg.vision.degree}) but text has {dp_t}: each vision replica feeds one text replica, so they "
-            f"must match, e.g. text.num_actors={dp_v * cfg.text.degree}"
-        )
+    dp_v, dp_t = replicas(cfg, "vision"), replicas(cfg, "text")
     if model_config is not None:
         try:
             for stage in ("vision", "text"):
                 stage_layout(cfg, stage, model_config).check_shape(model_config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if cfg.training.global_batch_size % dp_v:
+    lockstep = {stage: layout_class(stage, getattr(cfg, stage).parallelism).lockstep for stage in ("vision", "text")}
+    why = check_fan(dp_v, dp_t, lockstep["vision"], lockstep["text"], cfg.pipeline.max_in_flight)
+    if why:
+        raise ConfigError(why)
+    if cfg.training.global_batch_size % dp_t:
         raise ConfigError(
-            f"training.global_batch_size={cfg.training.global_batch_size} is not divisible by the {dp_v} "
-            f"data-parallel replicas"
+            f"training.global_batch_size={cfg.training.global_batch_size} is not divisible by the {dp_t} text "
+            f"replicas (text.num_actors {cfg.text.num_actors} / text.degree {cfg.text.degree}), which each take "
+            f"an equal share: e.g. training.global_batch_size={max(1, cfg.training.global_batch_size // dp_t) * dp_t}"
         )
 
 
@@ -133,7 +138,9 @@ class TextPool(StagePool):
         if inputs is None and not self.layout.lockstep:
             return None, []
         first, *others = self.replica(replica)
-        out = first.forward_backward.options(num_returns=1 + len(shards)).remote(mb_id, inputs, loss_scale, *shards)
+        out = first.forward_backward.options(num_returns=1 + len(shards)).remote(
+            mb_id, inputs, loss_scale, *shards, send_grads=bool(shards))
+        out = out if shards else [out]  # one return is a bare reference (a padding call has no shards)
         for a in others:
             a.forward_backward.options(num_returns=1).remote(mb_id, inputs, loss_scale, *shards, send_grads=False)
         return out[0], list(out[1:])

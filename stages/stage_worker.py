@@ -18,8 +18,9 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
-from dhp.models.layouts import stage_layout
+from dhp.models.layouts import make_layout, stage_layout
 from dhp.models.precision import precision_of
+from dhp.models.reshard import MOMENT_SEP, SavedRanks, index_of
 from dhp.models.stage_build import build_stage
 from dhp.models.weights import save_shard
 from dhp.models.zero3 import local_tensor
@@ -273,31 +274,69 @@ class StageWorker(DistributedWorker):
         return name
 
     def save_state(self, ckpt_dir: str) -> dict[str, dict[str, int | str]]:
-        """Everything this rank needs to continue exactly: its tensors, optimizer moments (its ZeRO share),
-        LR scheduler and RNG states. Read back with `torch.load(weights_only=True)`: no pickled code.
-        Returns the manifest entries of the files it wrote (hashed here: every rank in parallel)."""
+        """Everything this rank needs to continue exactly: its tensors, its optimizer moments (its ZeRO-1
+        share) by parameter name, LR scheduler and RNG states. Read back with safetensors and
+        `torch.load(weights_only=True)`: no pickled code. Returns the manifest entries of the files it
+        wrote (hashed here: every rank in parallel).
+
+        Moments are stored like the weights, under `{name}::{key}` with the parameter's local part (a TP
+        slice, ZeRO-3 rows), not by the optimizer's local parameter index: that index means nothing in
+        another layout, a name plus the layout's slicer does (`load_state` reshards by it)."""
         tensors = self.save_local(ckpt_dir)
+        moments = f"{self.stage}-rank{self.rank:05d}-moments.safetensors"
+        save_shard(self._named_moments(), Path(ckpt_dir), moments)
         state = {
-            "optimizer": _to_local(self.local_optimizer.state_dict()),  # ZeRO-1: this rank's partition only
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.empty(0),
         }
         state_file = f"{self.stage}-rank{self.rank:05d}-state.pt"
         torch.save(state, Path(ckpt_dir) / state_file)
-        return {name: file_entry(Path(ckpt_dir) / name) for name in (tensors, state_file)}
+        return {name: file_entry(Path(ckpt_dir) / name) for name in (tensors, moments, state_file)}
 
-    def load_state(self, ckpt_dir: str) -> None:
-        """Inverse of `save_state`, into a freshly built rank of the same layout."""
-        from safetensors.torch import load_file
+    def _optimizer_params(self) -> list[tuple[str, nn.Parameter]]:
+        """(module name, parameter) of each parameter the local optimizer steps, in its own index order (a
+        parameter object is the same in the model and the optimizer: DTensors under ZeRO-3 included)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [(names[id(p)], p) for group in self.local_optimizer.param_groups for p in group["params"]]
 
-        local = load_file(Path(ckpt_dir) / f"{self.stage}-rank{self.rank:05d}.safetensors")
-        own = self.model.state_dict()
-        with torch.no_grad():
-            for name, t in own.items():
-                local_tensor(t).copy_(local[name])
-        state = torch.load(Path(ckpt_dir) / f"{self.stage}-rank{self.rank:05d}-state.pt", weights_only=True)
-        self.local_optimizer.load_state_dict(_like_params(state["optimizer"], self.local_optimizer))
+    def _named_moments(self) -> dict[str, torch.Tensor]:
+        """This rank's AdamW state as `{name}::{key}` -> local CPU tensor (0-dim for `step`)."""
+        out = {}
+        for name, p in self._optimizer_params():
+            for key, value in self.local_optimizer.state.get(p, {}).items():
+                value = local_tensor(value) if torch.is_tensor(value) else torch.tensor(value)
+                out[f"{name}{MOMENT_SEP}{key}"] = value.detach().cpu().contiguous()
+        return out
+
+    def load_state(self, ckpt_dir: str, saved_layout: dict[str, Any] | None = None) -> None:
+        """Inverse of `save_state`, into a freshly built rank of this layout or another one.
+
+        `saved_layout` ({parallelism, degree, num_actors} of this stage in the checkpoint; None: this
+        rank's own) gives the slicers of the ranks that wrote it. For each of its own tensors and moments
+        this rank reads, from the ranks holding them, only the intersections with its own part
+        (models/reshard.py): no full tensor is gathered; in the same layout that is an exact copy of its own
+        files. Scheduler and RNG come from the writer of the same rank (rank 0's when that layout had fewer).
+        """
+        ckpt = Path(ckpt_dir)
+        saved = self.layout if saved_layout is None else make_layout(
+            self.stage, saved_layout["parallelism"], saved_layout["degree"], saved_layout["num_actors"],
+            self.model_config,
+        )
+        own = self.layout.slicer(self.rank, self.full_shapes)
+        with SavedRanks(ckpt, self.stage, saved, self.full_shapes) as files:
+            with torch.no_grad():
+                for name, t in self.model.state_dict().items():
+                    files.fill_weight(local_tensor(t), name, index_of(own, name))
+            moments = {
+                i: {key: files.read_moment(name, key, index_of(own, name)) for key in files.moment_keys(name)}
+                for i, (name, _) in enumerate(self._optimizer_params())
+            }
+        optim_state = {"state": {i: st for i, st in moments.items() if st},
+                       "param_groups": self.local_optimizer.state_dict()["param_groups"]}
+        self.local_optimizer.load_state_dict(_like_params(optim_state, self.local_optimizer))
+        writer = self.rank if self.rank < saved.num_actors else 0
+        state = torch.load(ckpt / f"{self.stage}-rank{writer:05d}-state.pt", weights_only=True)
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # a ZeRO wrapper keeps its own groups, which it copies into its partition's
@@ -306,16 +345,9 @@ class StageWorker(DistributedWorker):
             torch.cuda.set_rng_state(state["cuda_rng"])
 
 
-def _to_local(optim_state: dict[str, Any]) -> dict[str, Any]:
-    """Optimizer state with DTensors (ZeRO-3) replaced by this rank's local tensors: plain, saveable."""
-    return {
-        **optim_state,
-        "state": {k: {n: local_tensor(v) for n, v in st.items()} for k, st in optim_state["state"].items()},
-    }
-
-
 def _like_params(optim_state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Inverse of `_to_local`: wrap local moments back into DTensors laid out like their parameters."""
+    """Local moments (plain tensors, as stored) wrapped back into DTensors laid out like their parameters
+    (ZeRO-3), keyed by the optimizer's local parameter index; others unchanged."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out = {}
     for k, st in optim_state["state"].items():
@@ -324,8 +356,8 @@ def _like_params(optim_state: dict[str, Any], optimizer: torch.optim.Optimizer) 
             from torch.distributed.tensor import DTensor
 
             st = {
-                n: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                if v.ndim else v
+                n: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                if v.ndim else v  # moments are read onto the CPU; a DTensor's local part lives on its mesh's device
                 for n, v in st.items()
             }
         out[k] = st

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from transformers import Qwen2_5_VLConfig
 
-from dhp.dataflow.loader import BatchLoader, GlobalBatch, MicroBatch
+from dhp.dataflow.loader import BatchLoader, GlobalBatch, reshard_positions
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
@@ -25,8 +25,9 @@ from dhp.models.layouts import stage_layout
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, ConfigError, save_config
 from dhp.stages.placement import describe, place_pools
-from dhp.stages.pools import TextPool, VisionPool, check_layout, data_parallel_size
-from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD, pipeline_schedule
+from dhp.stages.pools import TextPool, VisionPool, check_layout, replicas
+from dhp.stages.routing import route
+from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
 from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
 from dhp.stages.trace import STEP_TAIL, busy_fractions, write_chrome_trace
@@ -49,8 +50,7 @@ LOADER_CPUS = 0.1  # the BatchLoader actor mostly waits on Ray Data
 def check_resources(cfg: Config) -> None:
     """Fail fast when pools + data pipeline cannot all be placed: placed ranks would wait in rendezvous."""
     total = ray.cluster_resources()
-    dp = data_parallel_size(cfg)
-    data_cpus = (dp + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
+    data_cpus = (replicas(cfg, "text") + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
     for resource, per_actor in (("CPU", "num_cpus_per_actor"), ("GPU", "num_gpus_per_actor")):
         need = sum(getattr(s, per_actor) * s.num_actors for s in (cfg.vision, cfg.text))
         need += data_cpus if resource == "CPU" else 0.0
@@ -96,7 +96,7 @@ class Trainer:
         self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
         self.step = 0
         loader_cls = ray.remote(num_cpus=LOADER_CPUS)(BatchLoader)
-        self.dp = data_parallel_size(cfg)
+        self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
         common = dict(
             settings=settings,
             model_config=self.model_config,
@@ -110,7 +110,9 @@ class Trainer:
             loader_cls.remote(train_paths, seed=d.shuffle_seed, replica=r, num_replicas=self.dp, **common)
             for r in range(self.dp if train_paths else 0)
         ]
-        self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **common) if eval_paths else None
+        # Evaluation runs on one replica per pool: its batches are whole global batches, the same in any layout.
+        evals = common | {"global_batch_size": cfg.training.global_batch_size}
+        self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **evals) if eval_paths else None
         self._eval_batches: list[GlobalBatch] | None = None
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):
@@ -123,11 +125,6 @@ class Trainer:
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
         return pool
 
-    @property
-    def lockstep(self) -> bool:
-        """Whether every replica must run every call (a pool's layout has collectives across replicas)."""
-        return self.vision.layout.lockstep or self.text.layout.lockstep
-
     def pools(self) -> list[tuple[str, VisionPool | TextPool]]:
         return [("vision", self.vision), ("text", self.text)]
 
@@ -136,38 +133,39 @@ class Trainer:
         return [loader.next_batch.remote() for loader in self.loaders]
 
     def accumulate(self, batches: list[GlobalBatch]) -> float:
-        """Forward + backward of every micro-batch of every replica; gradients accumulate in the actors.
+        """Forward + backward of every micro-batch of every text replica; gradients accumulate in the actors.
 
-        Each replica's calls are submitted in `pipeline_schedule` order (vision forwards up to
-        `pipeline.max_in_flight` ahead of the text stage); replicas have their own actors and run
-        concurrently. Only references move through here. Returns the global batch's mean loss.
+        `batches[t]` is text replica t's part of the global batch. Which vision replica encodes each
+        micro-batch and the order of every call come from `routing.route` (balanced by patches, vision
+        forwards up to `pipeline.max_in_flight` ahead per vision replica, lockstep pools padded). Only
+        references move through here. Returns the global batch's mean loss.
         """
         loss_scale = 1.0 / max(1, sum(b.label_tokens for b in batches))  # mean over all label tokens
-        losses = []
-        submit_start = time.perf_counter()
-        for r, mbs in enumerate(self._lockstep(batches)):
-            shards, grads = {}, {}  # refs in flight: mb -> vision output shards / their gradients
-            for op in pipeline_schedule(len(mbs), self.cfg.pipeline.max_in_flight):
-                mb, i = mbs[op.mb], op.mb
-                if op.kind == VISION_FORWARD:
-                    shards[i] = self.vision.forward(r, i, mb and mb.vision)
-                elif op.kind == TEXT_FORWARD_BACKWARD:
-                    loss, grads[i] = self.text.forward_backward(r, i, mb and mb.text, shards.pop(i), loss_scale)
-                    losses.append(loss)
-                else:
-                    self.vision.backward(r, i, grads.pop(i))
-        # Driver-side cost of scheduling (everything above is non-blocking submission), per micro-batch.
-        self.submit_s_per_microbatch = (time.perf_counter() - submit_start) / max(1, len(losses))
-        return sum(ray.get([loss for loss in losses if loss is not None]))
-
-    def _lockstep(self, batches: list[GlobalBatch]) -> list[list[MicroBatch | None]]:
-        """Each replica's micro-batches; under a lockstep layout (ZeRO-3), short replicas padded with None
-        to the longest."""
         mbs = [list(b.microbatches) for b in batches]
-        if self.lockstep:
-            n = max(map(len, mbs))
-            mbs = [m + [None] * (n - len(m)) for m in mbs]
-        return mbs
+        calls = route([[mb.meta.patches for mb in m] for m in mbs], self.vision.dp, self.vision.layout.lockstep,
+                      self.text.layout.lockstep, self.cfg.pipeline.max_in_flight)
+        ids = {key: n for n, key in enumerate((t, i) for t, m in enumerate(mbs) for i in range(len(m)))}
+        shards, grads, losses = {}, {}, []  # refs in flight: key -> vision output shards / their gradients
+        submit_start = time.perf_counter()
+        for call in calls:
+            for replica, key in call.members:
+                mb = mbs[key[0]][key[1]] if key else None  # None: a lockstep pool's padding
+                mb_id = ids[key] if key else -1 - call.slot
+                if call.kind == VISION_FORWARD:
+                    out = self.vision.forward(replica, mb_id, mb and mb.vision)
+                    if key:
+                        shards[key] = out
+                elif call.kind == TEXT_FORWARD_BACKWARD:
+                    loss, g = self.text.forward_backward(replica, mb_id, mb and mb.text,
+                                                         shards.pop(key) if key else [], loss_scale)
+                    losses.append(loss)
+                    if key:
+                        grads[key] = g
+                else:
+                    self.vision.backward(replica, mb_id, grads.pop(key) if key else [])
+        # Driver-side cost of scheduling (everything above is non-blocking submission), per micro-batch.
+        self.submit_s_per_microbatch = (time.perf_counter() - submit_start) / max(1, len(ids))
+        return sum(ray.get([loss for loss in losses if loss is not None]))
 
     def optimizer_step(self) -> tuple[float, float]:
         """Sum gradients over replicas, clip by the global norm over both pools, step. -> (norm, lr)."""
@@ -234,14 +232,15 @@ class Trainer:
                 if batch is None:
                     break
                 self._eval_batches.append(batch)
-        # On replica 0: evaluation is small and needs no gradient sync. Under a lockstep layout every replica
-        # runs the same batches (ZeRO-3's per-block all-gathers span the pool) and replica 0's sums are taken.
-        replicas = range(self.dp) if self.lockstep else range(1)
+        # On replica 0 of each pool: evaluation is small and needs no gradient sync. A lockstep pool (ZeRO-3's
+        # per-block all-gathers span it) runs every micro-batch on all its replicas and replica 0's is taken.
+        vision = range(self.vision.dp) if self.vision.layout.lockstep else range(1)
+        text = range(self.text.dp) if self.text.layout.lockstep else range(1)
         sums, count = [], 0
         for batch in self._eval_batches:
             for mb in batch.microbatches:
-                out = [self.text.forward_eval(r, mb.text, self.vision.forward_eval(r, mb.vision)) for r in replicas]
-                sums.append(out[0])
+                shards = [self.vision.forward_eval(v, mb.vision) for v in vision][0]
+                sums.append([self.text.forward_eval(t, mb.text, shards) for t in text][0])
                 count += mb.meta.label_tokens
         return sum(ray.get(sums)) / max(1, count)
 
@@ -279,19 +278,47 @@ class Trainer:
         return commit(tmp, self.cfg.training.keep_last, hashed)
 
     def restore_checkpoint(self, ckpt: Path) -> int:
-        """Load a checkpoint written by this layout; returns its step. The data streams continue after it."""
-        saved = read_meta(ckpt)["layout"]
-        if saved != self.layout():
+        """Load a checkpoint of this model written by any layout; returns its step. The data streams
+        continue after it. Another layout (degree, replicas, pool sizes, parallelism) is resharded on
+        load: each rank reads from the writers' files only the parts of its own weights and AdamW moments
+        (StageWorker.load_state, models/reshard.py), and the data position is carried over to this run's
+        number of streams (`reshard_positions`)."""
+        problem = self._model_mismatch(ckpt, self.model_config)
+        if problem:
+            raise ConfigError(f"checkpoint {ckpt} is of another model ({problem}): it can only be resumed by a run "
+                              f"of the model that wrote it")
+        saved, now = read_meta(ckpt)["layout"], self.layout()
+        if not any(ckpt.glob("*-moments.safetensors")):
             raise ConfigError(
-                f"checkpoint {ckpt} was written with layout {saved}, this run has {self.layout()}: resuming "
-                f"across layouts is not supported; export its weights (dhp export-hf --checkpoint {ckpt} --out DIR) "
-                f"and start a new run from model.path=DIR, or resume with the original layout"
+                f"checkpoint {ckpt} was written by an older dhp (its AdamW state is not stored by parameter name, "
+                f"no *-moments.safetensors): export its weights (dhp export-hf --checkpoint {ckpt} --out DIR) and "
+                f"start a new run from model.path=DIR"
             )
-        state = json.loads((ckpt / "trainer_state.json").read_text())  # one data stream per replica: same layout
-        ray.get([a.load_state.remote(str(ckpt)) for _, pool in self.pools() for a in pool.actors]
-                + [loader.restore.remote(s) for loader, s in zip(self.loaders, state["loaders"])])
+        if saved != now:
+            what = "{parallelism} degree {degree} x {num_actors} actors".format
+            print("resume: resharding " + ", ".join(f"{stage} {what(**saved[stage])} -> {what(**now[stage])}"
+                                                    for stage in now if saved[stage] != now[stage]), flush=True)
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        positions = reshard_positions(state["loaders"], len(self.loaders))
+        ray.get([a.load_state.remote(str(ckpt), saved[stage]) for stage, pool in self.pools() for a in pool.actors]
+                + [loader.restore.remote(s) for loader, s in zip(self.loaders, positions)])
         self.step = state["step"]
         return self.step
+
+    @staticmethod
+    def _model_mismatch(ckpt: Path, model_config: Qwen2_5_VLConfig) -> str | None:
+        """Which shapes of the checkpoint's model (its config.json) differ from this run's; None if none.
+        The layout may differ (resharded on load), the model may not."""
+        saved = Qwen2_5_VLConfig.from_pretrained(ckpt)
+        shape_keys = {  # what decides the shape of some tensor: another value is another model
+            "vision_config": ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size",
+                              "in_channels", "patch_size", "spatial_merge_size", "temporal_patch_size"),
+            "text_config": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings"),
+        }
+        values = [(f"{sub}.{key}", *(getattr(getattr(c, sub), key, None) for c in (saved, model_config)))
+                  for sub, keys in shape_keys.items() for key in keys]
+        return ", ".join(f"{key} {a} vs {b}" for key, a, b in values if a != b) or None
 
     def skip_report(self) -> dict[str, Any]:
         reports = ray.get([loader.skip_report.remote() for loader in self.loaders])
@@ -312,3 +339,4 @@ class Trainer:
         for loader in [*self.loaders, *([self.eval_loader] if self.eval_loader else [])]:
             ray.kill(loader, no_restart=True)
         self.placement.remove()
+

@@ -35,7 +35,8 @@ def quick(tmp_path_factory):
 def test_rows(quick):
     rc, _, rows = quick
     assert rc == 0
-    assert [r["scenario"] for r in rows] == SCENARIOS
+    assert [r["scenario"] for r in rows] == SCENARIOS + ["vision_bound_scaling"]
+    rows = rows[:-1]
     for r in rows:
         assert REQUIRED | POSITIVE | FRACTIONS <= r.keys(), sorted(REQUIRED | POSITIVE | FRACTIONS - r.keys())
         for k in POSITIVE:
@@ -53,6 +54,19 @@ def test_rows(quick):
         assert math.isfinite(r["serial_loss"]) and abs(r["pipelined_loss"] / r["serial_loss"] - 1) < 1e-2, r
         assert set(r["goal"]) == {"ratio_to_max", "speedup", "driver_overhead"}
         assert (r["goal"]["speedup"] is None) == (r["scenario"] != "balanced")
+
+
+def test_scaling_row_compares_the_same_actors_split_two_ways(quick):
+    """The vision-bound scenario: 4 actors as 2 + 2 replicas and as 3 vision + 1 text (fan-in)."""
+    row = quick[2][-1]
+    assert row["actors"] == 4 and row["microbatches"] == 4
+    even, fan = row["layouts"]
+    assert [(r["vision_replicas"], r["text_replicas"]) for r in (even, fan)] == [(2, 2), (3, 1)]
+    for r in (even, fan):
+        assert r["step_s"] > 0 and r["predicted_step_s"] > 0 and math.isfinite(r["loss"])
+    assert abs(fan["loss"] / even["loss"] - 1) < 1e-2  # the same samples, however they were routed
+    assert row["speedup"] == pytest.approx(even["step_s"] / fan["step_s"], rel=1e-3)
+    assert row["predicted_speedup"] == pytest.approx(even["predicted_step_s"] / fan["predicted_step_s"], rel=1e-3)
 
 
 def test_traces_and_timelines_beside_the_json(quick):

@@ -93,11 +93,26 @@ LAYOUTS = [
     (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"]
      + AC_FULL, [[[0], [2]], [[1]]]),
 ]
+# Fan-out and fan-in: vision and text replica counts differ (stages/routing.py). `replicas` are the text
+# replicas' micro-batches; the vision replicas take them by patch count.
+FAN_LAYOUTS = [
+    # one SP-2 vision replica serving two TP-2 text replicas
+    (SP2 + ["text.parallelism=tensor", "text.num_actors=4", "text.degree=2"], [[[0], [2]], [[1]]]),
+    # three vision replicas feeding one TP-2 text replica
+    (["vision.num_actors=3"] + TP2, [[[0], [1], [2]]]),
+    # two SP-2 vision replicas feeding one text replica
+    (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2"], [[[0], [1], [2]]]),
+    # ZeRO-3 vision (lockstep: 2 slots of 2, the second padded) feeding one text replica
+    (["vision.parallelism=zero3", "vision.num_actors=2"], [[[0], [1], [2]]]),
+    # one vision replica serving a ZeRO-3 text pool of 2 (lockstep: replica 1's second call is padding)
+    (["text.parallelism=zero3", "text.num_actors=2"], [[[0], [2]], [[1]]]),
+]
+FAN_IDS = ["fanout-sp2-2xtp2", "fanin-3v-tp2", "fanin-2xsp2", "fanin-zero3v", "fanout-zero3t"]
 LAYOUT_IDS = ["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2",
               "1v1t-ac2", "sp2-tp2-ac", "sp4-tp2-ac", "tp2-tp2-ac", "zero3-zero3-ac"]
 
 
-@pytest.mark.parametrize(("layout", "replicas"), LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize(("layout", "replicas"), LAYOUTS + FAN_LAYOUTS, ids=LAYOUT_IDS + FAN_IDS)
 def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, replicas):
     ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)
