@@ -362,7 +362,8 @@ def main(args=None) -> int:
                     fits[stage] = (a * c, b * c)
             if "vision_bound_scaling" in chosen:
                 depth, layers, _ = plan(fits, preset["unit_s"], preset["cap"])["vision_heavy"]
-                rows.append(scaling.run(samples, model_config(preset, depth, layers), preset))
+                costs = (fits["vision"][0] + fits["vision"][1] * depth, fits["text"][0] + fits["text"][1] * layers)
+                rows.append(scaling.run(samples, model_config(preset, depth, layers), preset, costs))
                 texts.append(scaling.table(rows[-1]))
         finally:
             if own_ray:

@@ -5,9 +5,11 @@ A vision-heavy model (Tv ~ 3 Tt per micro-batch, the `vision_heavy` shape) on `a
   fan_in   Dv = actors - 1 vision replicas feeding Dt = 1 text replica (stages/routing.py)
 Same samples, same global batch, pipelined (max_in_flight 3). Per layout:
   step_s            median measured train_step time on this machine
-  predicted_step_s  routing.simulate_calls of that layout's submission list with the per-call costs the
-                    same run traced (median forward, backward, text forward_backward), plus its tail
-                    (grad norm, optimizer): the step on one core per actor, no contention
+  predicted_step_s  routing.simulate_calls of that layout's submission list with the uncontended per-
+                    micro-batch costs calibrated in-process (`bench_pipeline.calibrate`: Tv, Tt; Tv split
+                    into forward and backward as the run's trace splits it), plus the run's measured tail
+                    (grad norm, optimizer): the step with one core per actor. The traced per-call costs
+                    themselves are not used: with more actors than cores they carry the contention.
 The speedup is `even / fan_in` of each. On a machine with fewer cores than actors (this 2-core one with
 4 actors), every layout is CPU-bound at total work / cores, so the measured speedup is ~1 there by
 construction; the predicted one is what dedicated devices would see (docs/benchmarks.md).
@@ -43,7 +45,9 @@ def _call_costs(events: list[dict]) -> dict[str, float]:
     return out
 
 
-def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, preset: dict) -> dict:
+def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, preset: dict,
+               costs: tuple[float, float]) -> dict:
+    """One layout's measured and predicted step; `costs`: calibrated (Tv, Tt) seconds per micro-batch."""
     from dhp.stages.config import load_config
     from dhp.stages.routing import route, simulate_calls
     from dhp.stages.trace import STEP_TAIL
@@ -65,12 +69,12 @@ def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, p
             end = time.time()
             if i < preset["warmup"]:
                 continue
-            costs = _call_costs(trainer.events)
+            traced = _call_costs(trainer.events)
+            forward = costs[0] * traced["forward"] / (traced["forward"] + traced["backward"])
             tail = end - max(e["end"] for e in trainer.events if e["name"] not in STEP_TAIL)
             calls = route([[mb.meta.patches for mb in b.microbatches] for b in batches], dv, False, False,
                           cfg.pipeline.max_in_flight)
-            predicted.append(simulate_calls(calls, costs["forward"], costs["forward_backward"], costs["backward"])
-                             + tail)
+            predicted.append(simulate_calls(calls, forward, costs[1], costs[0] - forward) + tail)
             steps.append(metrics["step_time_s"])
             loss = metrics["loss"]
     finally:
@@ -79,13 +83,14 @@ def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, p
             "predicted_step_s": statistics.median(predicted), "loss": loss}
 
 
-def run(samples: list[dict], model_config, preset: dict, actors: int = ACTORS) -> dict:
+def run(samples: list[dict], model_config, preset: dict, costs: tuple[float, float], actors: int = ACTORS) -> dict:
     """The scenario's row: both layouts and the speedups (measured, predicted)."""
-    layouts = {name: run_layout(name, dv, dt, samples, model_config, preset)
+    layouts = {name: run_layout(name, dv, dt, samples, model_config, preset, costs)
                for name, (dv, dt) in _layouts(actors).items()}
     even, fan = layouts["even"], layouts["fan_in"]
     return {
         "scenario": "vision_bound_scaling", "actors": actors, "cpus": os.cpu_count(), "microbatches": len(samples),
+        "tv_s": round(costs[0], 4), "tt_s": round(costs[1], 4),
         "layouts": list(layouts.values()),
         "speedup": round(even["step_s"] / fan["step_s"], 4),
         "predicted_speedup": round(even["predicted_step_s"] / fan["predicted_step_s"], 4),
@@ -99,7 +104,8 @@ def samples_needed(microbatches: int, actors: int = ACTORS) -> int:
 
 
 def table(row: dict) -> str:
-    lines = [f"vision_bound_scaling: {row['actors']} actors on {row['cpus']} CPUs, {row['microbatches']} micro-batches",
+    lines = [f"vision_bound_scaling: {row['actors']} actors on {row['cpus']} CPUs, {row['microbatches']} "
+             f"micro-batches, calibrated Tv {row['tv_s'] * 1e3:.0f} ms, Tt {row['tt_s'] * 1e3:.0f} ms",
              f"{'layout':8}{'Dv':>4}{'Dt':>4}{'step_s':>9}{'pred_s':>9}"]
     for r in row["layouts"]:
         lines.append(f"{r['layout']:8}{r['vision_replicas']:4d}{r['text_replicas']:4d}{r['step_s']:9.3f}"

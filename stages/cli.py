@@ -9,7 +9,7 @@
     dhp plan [--config NAME|PATH] [KEY=VALUE ...] [--gpu-memory GiB] [--json PATH]   (memory per rank; fits?)
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
-    dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M]   (pipelined vs serial steps)
+    dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M] [--scenario S]  (pipeline, pool sizes)
     dhp bench recovery [--json PATH] [--quick]                (time to detect a killed actor and train again)
     dhp bench data [--json PATH] [--quick]                    (Ray Data preprocessing vs a plain loop; data wait)
     dhp bench memory --json PATH [--quick] [--no-measure]     (bytes per rank by shape/layout/precision; build RSS)
@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     pipe.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
     pipe.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5)")
     pipe.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12)")
+    pipe.add_argument("--scenario", action="append", default=None,
+                      choices=["balanced", "vision_heavy", "text_heavy", "vision_bound_scaling"],
+                      help="run only this scenario (repeatable; default: all four)")
     bdata = bench.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
     bdata.add_argument("--json", default=None, help="write the row here")
     bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
