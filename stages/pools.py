@@ -73,8 +73,8 @@ def check_layout(cfg: Config, model_config=None) -> None:
 
 class StagePool(ActorGroup):
     """A lockstep layout (`layout.lockstep`, ZeRO-3) needs every replica to run every call (its collectives
-    span all ranks): the trainer pads short replicas with `None` micro-batches, which only such a pool acts
-    on. Which ranks run a call and whose output crosses the boundary is the layout's answer."""
+    span all ranks): the routing (stages/routing.py) pads its calls with `None` micro-batches, which only
+    such a pool acts on. Which ranks run a call and whose output crosses the boundary is the layout's answer."""
 
     layout: Layout  # the stage's layout object, set by the trainer
 
