@@ -249,8 +249,8 @@ def test_export_hf_matches_dhp_model(parity_setup, ray_session, tmp_path, layout
     finally:
         trainer.shutdown()
     rank_files = sorted(p.name for p in dhp_ckpt.glob("*-rank*.safetensors"))
-    assert rank_files == [f"{s}-rank{r:05d}{kind}.safetensors" for s in ("text", "vision") for r in range(2)
-                          for kind in ("", "-moments")]  # each rank's tensors and its AdamW moments by name
+    assert rank_files == sorted(f"{s}-rank{r:05d}{kind}.safetensors" for s in ("text", "vision") for r in range(2)
+                                for kind in ("", "-moments"))  # each rank's tensors and its AdamW moments by name
 
     out = ["--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"]
     assert main(["export-hf", "--checkpoint", str(dhp_ckpt), *out]) == 0
