@@ -36,13 +36,11 @@ def _batches(samples: list[dict], text_replicas: int):
     return [global_batch(samples[t * per:(t + 1) * per]) for t in range(text_replicas)]
 
 
-def _call_costs(events: list[dict]) -> dict[str, float]:
-    """Median seconds of each stage call in one step's trace (every rank)."""
-    out = {}
-    for stage, name in (("vision", "forward"), ("vision", "backward"), ("text", "forward_backward")):
-        ds = [e["end"] - e["start"] for e in events if e["stage"] == stage and e["name"] == name]
-        out[name] = statistics.median(ds)
-    return out
+def _vision_call_costs(events: list[dict]) -> dict[str, float]:
+    """Median seconds of the vision forward and backward calls in one step's trace (every rank)."""
+    return {name: statistics.median(e["end"] - e["start"] for e in events
+                                    if e["stage"] == "vision" and e["name"] == name)
+            for name in ("forward", "backward")}
 
 
 def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, preset: dict,
@@ -69,7 +67,7 @@ def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, p
             end = time.time()
             if i < preset["warmup"]:
                 continue
-            traced = _call_costs(trainer.events)
+            traced = _vision_call_costs(trainer.events)
             forward = costs[0] * traced["forward"] / (traced["forward"] + traced["backward"])
             tail = end - max(e["end"] for e in trainer.events if e["name"] not in STEP_TAIL)
             calls = route([[mb.meta.patches for mb in b.microbatches] for b in batches], dv, False, False,

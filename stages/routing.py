@@ -29,7 +29,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_BACKWARD, VISION_FORWARD, pipeline_schedule, stage_order
+from dhp.stages.schedule import (
+    DEPENDS_ON,
+    TEXT_FORWARD_BACKWARD,
+    VISION_BACKWARD,
+    VISION_FORWARD,
+    pipeline_schedule,
+    stage_order,
+)
 
 Key = tuple[int, int]  # (text replica t, index i of the micro-batch in t's list)
 
@@ -137,14 +144,13 @@ def _merge(vision_units: list[list[tuple]], text_units: list[list[tuple]], max_i
     for slots in text_units:
         sequences.append([Call(TEXT_FORWARD_BACKWARD, i, members) for i, members in enumerate(slots)])
     done: set[tuple[str, Key]] = set()
-    needs = {TEXT_FORWARD_BACKWARD: VISION_FORWARD, VISION_BACKWARD: TEXT_FORWARD_BACKWARD}
     calls, heads = [], [0] * len(sequences)
     while any(h < len(s) for h, s in zip(heads, sequences)):
         progressed = False
         for u, seq in enumerate(sequences):
             while heads[u] < len(seq):
                 call = seq[heads[u]]
-                if call.kind in needs and any((needs[call.kind], k) not in done for k in call.keys()):
+                if call.kind in DEPENDS_ON and any((DEPENDS_ON[call.kind], k) not in done for k in call.keys()):
                     break
                 calls.append(call)
                 done.update((call.kind, k) for k in call.keys())
@@ -160,12 +166,12 @@ def simulate_calls(calls: list[Call], forward_s: float, text_s: float, backward_
     replica runs its calls in list order, one at a time, a lockstep call on all its members at once; a call
     starts when its replicas are free and its inputs exist (`schedule.simulate` for many replicas)."""
     cost = {VISION_FORWARD: forward_s, TEXT_FORWARD_BACKWARD: text_s, VISION_BACKWARD: backward_s}
-    needs = {TEXT_FORWARD_BACKWARD: VISION_FORWARD, VISION_BACKWARD: TEXT_FORWARD_BACKWARD}
     free: dict[tuple[str, int], float] = {}
     ends: dict[tuple[str, Key], float] = {}
     for call in calls:
         actors = [(call.stage, r) for r, _ in call.members]
-        ready = max([ends[(needs[call.kind], k)] for k in call.keys()] if call.kind in needs else [], default=0.0)
+        ready = max([ends[(DEPENDS_ON[call.kind], k)] for k in call.keys()] if call.kind in DEPENDS_ON else [],
+                    default=0.0)
         end = max([ready] + [free.get(a, 0.0) for a in actors]) + cost[call.kind]
         free.update((a, end) for a in actors)
         ends.update(((call.kind, k), end) for k in call.keys())

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 VISION_FORWARD, TEXT_FORWARD_BACKWARD, VISION_BACKWARD = "vision_forward", "text_forward_backward", "vision_backward"
 KINDS = (VISION_FORWARD, TEXT_FORWARD_BACKWARD, VISION_BACKWARD)
 _SHORT = {VISION_FORWARD: "F", TEXT_FORWARD_BACKWARD: "T", VISION_BACKWARD: "B"}
-_DEPENDS_ON = {TEXT_FORWARD_BACKWARD: VISION_FORWARD, VISION_BACKWARD: TEXT_FORWARD_BACKWARD}
+DEPENDS_ON = {TEXT_FORWARD_BACKWARD: VISION_FORWARD, VISION_BACKWARD: TEXT_FORWARD_BACKWARD}  # what waits on what
 
 Cost = float | Callable[[int], float]
 
@@ -117,8 +117,8 @@ def simulate(ops: list[Op], vision_cost: Cost, text_cost: Cost, vision_backward_
         if op in spans:
             raise ValueError(f"{op} appears twice")
         ready = 0.0
-        if op.kind in _DEPENDS_ON:
-            dep = Op(_DEPENDS_ON[op.kind], op.mb)
+        if op.kind in DEPENDS_ON:
+            dep = Op(DEPENDS_ON[op.kind], op.mb)
             if dep not in spans:
                 raise ValueError(f"{op} is listed before its dependency {dep}")
             ready = spans[dep][1]
