@@ -96,10 +96,18 @@ def activation_bytes_per_element(cfg: Any, stage: str) -> int:
 def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0) -> dict[str, int]:
     """Parameter, gradient and AdamW bytes rank `rank` holds (the layout's elements and ZeRO-1 share, the
     precision's bytes), and torch's foreach-AdamW temporary while it steps (one moment of that share)."""
-    held = layout.state_numel(shapes, rank)
+    held = held_numel(layout, shapes, rank)
     moments = held * layout.optimizer_fraction * precision.optimizer_bytes
     return {"params": held * precision.param_bytes, "grads": held * precision.grad_bytes,
             "optimizer": round(moments), "optimizer_step_temp": round(moments / 2)}
+
+
+def held_numel(layout: Any, shapes: dict, rank: int, _cache: dict = {}) -> int:  # noqa: B006
+    """`layout.state_numel`, once per layout and shapes: a layout search asks for the same ones again."""
+    key = (type(layout), layout.stage, layout.degree, layout.num_actors, id(shapes), rank)
+    if key not in _cache:
+        _cache[key] = (shapes, layout.state_numel(shapes, rank))  # holds `shapes`, so its id stays its own
+    return _cache[key][1]
 
 
 def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0) -> tuple[float, float]:
@@ -137,18 +145,20 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
     return text_activations(t, size, layout.degree, b, len(ac.chosen(t.num_hidden_layers)))
 
 
-def stage_plan(cfg: Any, model_config: Any, stage: str) -> RankPlan:
+def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | None = None) -> RankPlan:
+    """One rank of `stage`; `vision_patches`: patches of one vision micro-batch when known (`dhp plan
+    --time`), else the most `data.microbatch_tokens` can carry (every token an image token)."""
     from dhp.models.layouts import stage_layout
     from dhp.models.precision import precision_of
 
     s = getattr(cfg, stage)
     layout = stage_layout(cfg, stage, model_config)
     prec = precision_of(cfg.model.precision)
-    module = meta_stage(model_config, stage)
-    shapes = full_shapes(model_config, stage, module)
+    module, shapes = meta_build(model_config, stage)
     tokens = cfg.data.microbatch_tokens
     if stage == "vision":  # every token an image token: 4 patches each
-        activations, transients = kept_activations(cfg, model_config, stage, 4 * tokens)
+        patches = 4 * tokens if vision_patches is None else vision_patches
+        activations, transients = kept_activations(cfg, model_config, stage, patches)
         activations *= cfg.pipeline.max_in_flight
     else:
         activations, per_block = kept_activations(cfg, model_config, stage, tokens)
@@ -178,10 +188,21 @@ def device_memory(cfg: Any, gpu_memory_gib: float | None = None) -> tuple[int | 
     return None, "no GPU here to read its memory: pass --gpu-memory GiB (or set training.gpu_memory_gib)"
 
 
-def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None) -> dict[str, Any]:
+def meta_build(model_config: Any, stage: str, _cache: dict = {}) -> tuple[torch.nn.Module, dict]:  # noqa: B006
+    """The meta build and its shapes, once per model config (a layout search asks hundreds of times)."""
+    key = (id(model_config), stage)
+    if key not in _cache:
+        module = meta_stage(model_config, stage)
+        _cache[key] = (model_config, module, full_shapes(model_config, stage, module))  # holds the id's owner
+    return _cache[key][1], _cache[key][2]
+
+
+def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None,
+         vision_patches: int | None = None) -> dict[str, Any]:
     """Both pools' rank plans, the per-GPU total (both pools' ranks under shared placement of fractional
     GPUs), the device it is compared with, and whether it fits."""
-    ranks = {stage: stage_plan(cfg, model_config, stage) for stage in ("vision", "text")}
+    ranks = {stage: stage_plan(cfg, model_config, stage, vision_patches if stage == "vision" else None)
+             for stage in ("vision", "text")}
     shared = cfg.pipeline.placement == "shared" and all(
         0 < getattr(cfg, s).num_gpus_per_actor < 1 for s in ("vision", "text"))
     per_device = (ranks["vision"].total + ranks["text"].total if shared

@@ -72,7 +72,7 @@ def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, p
             tail = end - max(e["end"] for e in trainer.events if e["name"] not in STEP_TAIL)
             calls = route([[mb.meta.patches for mb in b.microbatches] for b in batches], dv, False, False,
                           cfg.pipeline.max_in_flight)
-            predicted.append(simulate_calls(calls, forward, costs[1], costs[0] - forward) + tail)
+            predicted.append(simulate_calls(calls, forward, costs[1], costs[0] - forward)[0] + tail)
             steps.append(metrics["step_time_s"])
             loss = metrics["loss"]
     finally:

@@ -7,6 +7,8 @@
     dhp report RUN_DIR [--out DIR]                            (PNG plots of a run + a summary table)
     dhp config [--config PRESET_OR_YAML] [KEY=VALUE ...]     (print the resolved config)
     dhp plan [--config NAME|PATH] [KEY=VALUE ...] [--gpu-memory GiB] [--json PATH]   (memory per rank; fits?)
+    dhp plan --time --gpu NAME|PROFILE.json --gpus N --image-patches P [...]          (predicted step time)
+    dhp plan --search --gpu NAME --gpus N [--image-patches P] [--out YAML]           (best layouts that fit)
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M] [--scenario S]  (pipeline, pool sizes)
@@ -14,6 +16,7 @@
     dhp bench data [--json PATH] [--quick]                    (Ray Data preprocessing vs a plain loop; data wait)
     dhp bench memory --json PATH [--quick] [--no-measure]     (bytes per rank by shape/layout/precision; build RSS)
     dhp bench checkpointing [--json PATH] [--quick]           (activation checkpointing: bytes saved, time cost)
+    dhp bench ops [--json PATH] [--quick]                     (op / collective / transfer rates: a time-model profile)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -47,6 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="memory of one GPU")
     plan.add_argument("--json", default=None, help="write the rows here")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    plan.add_argument("--time", action="store_true", help="predict the step time on --gpus x --gpu (time_model.py)")
+    plan.add_argument("--search", action="store_true", help="rank the layouts that fit --gpus x --gpu; write the best")
+    plan.add_argument("--gpu", default=None, help="h100-sxm | h200 | a100-80gb | l40s, or a `dhp bench ops` JSON")
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs of the job (default: what the layout implies)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (inter-node bandwidth)")
+    plan.add_argument("--image-patches", type=int, default=1024, help="patches of every image (default 1024)")
+    plan.add_argument("--text-tokens", type=int, default=512, help="text tokens of every sample (default 512)")
+    plan.add_argument("--gpu-set", action="append", metavar="FIELD=VALUE", help="replace a profile field (repeatable)")
+    plan.add_argument("--top", type=int, default=10, help="--search: rows shown")
+    plan.add_argument("--out", default="best_layout.yaml", help="--search: where the best layout's config goes")
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write the synthetic shapes captioning set")
@@ -100,9 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
     from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
     from dhp.scripts.bench_memory import add_parser as add_memory
+    from dhp.scripts.bench_ops import add_parser as add_ops
 
     add_memory(bench)
     add_checkpointing(bench)
+    add_ops(bench)
     return p
 
 
@@ -112,6 +127,10 @@ def _plan(args: argparse.Namespace) -> int:
     from dhp.stages.pools import check_layout
     from dhp.stages.trainer import model_config_of
 
+    if args.time or args.search:
+        from dhp.scripts.plan_time import main as plan_time
+
+        return plan_time(args)
     cfg = load_config(args.config, args.overrides)
     model_config = model_config_of(cfg)
     check_layout(cfg, model_config)
@@ -182,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_memory import main as bench_memory
 
             return bench_memory(args)
+        elif args.command == "bench" and args.bench_command == "ops":
+            from dhp.scripts.bench_ops import main as bench_ops
+
+            return bench_ops(args)
         elif args.command == "bench" and args.bench_command == "data":
             from dhp.scripts.bench_data import main as bench_data
 

@@ -28,6 +28,7 @@ and a text call waits only on smaller keys (the argument is written out at `_mer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dhp.stages.schedule import (
     DEPENDS_ON,
@@ -161,18 +162,23 @@ def _merge(vision_units: list[list[tuple]], text_units: list[list[tuple]], max_i
     return calls
 
 
-def simulate_calls(calls: list[Call], forward_s: float, text_s: float, backward_s: float) -> float:
-    """Best-case makespan of `calls` (seconds per call of each kind, padding included; no transfers): each
-    replica runs its calls in list order, one at a time, a lockstep call on all its members at once; a call
-    starts when its replicas are free and its inputs exist (`schedule.simulate` for many replicas)."""
+def simulate_calls(calls: list[Call], forward_s: float, text_s: float, backward_s: float,
+                   resources: Any = None) -> tuple[float, dict[Any, float]]:
+    """Best-case makespan of `calls` (seconds per call of each kind, padding included; no transfers), and
+    each resource's busy seconds: each replica runs its calls in list order, one at a time, a lockstep call
+    on all its members at once; a call starts when its resources are free and its inputs exist
+    (`schedule.simulate` for many replicas). `resources(call)` names what a call occupies (default: its
+    actors, (stage, replica)); devices shared by both pools make their calls take turns."""
     cost = {VISION_FORWARD: forward_s, TEXT_FORWARD_BACKWARD: text_s, VISION_BACKWARD: backward_s}
-    free: dict[tuple[str, int], float] = {}
+    free: dict[Any, float] = {}
+    busy: dict[Any, float] = {}
     ends: dict[tuple[str, Key], float] = {}
     for call in calls:
-        actors = [(call.stage, r) for r, _ in call.members]
+        actors = resources(call) if resources else [(call.stage, r) for r, _ in call.members]
         ready = max([ends[(DEPENDS_ON[call.kind], k)] for k in call.keys()] if call.kind in DEPENDS_ON else [],
                     default=0.0)
         end = max([ready] + [free.get(a, 0.0) for a in actors]) + cost[call.kind]
         free.update((a, end) for a in actors)
+        busy.update((a, busy.get(a, 0.0) + cost[call.kind]) for a in set(actors))
         ends.update(((call.kind, k), end) for k in call.keys())
-    return max(free.values(), default=0.0)
+    return max(free.values(), default=0.0), busy

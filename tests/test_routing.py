@@ -81,8 +81,8 @@ def test_assignment_balances_patches_not_indices():
 def test_more_vision_replicas_shorten_a_vision_bound_step():
     # Vision costs 3, text 1 per micro-batch; 4 actors in all. 2 + 2 replicas against 3 vision + 1 text.
     patches2, patches1 = [[1] * 6] * 2, [[1] * 12]
-    even = simulate_calls(route(patches2, 2, False, False, 3), 1.5, 1.0, 1.5)
-    fan_in = simulate_calls(route(patches1, 3, False, False, 3), 1.5, 1.0, 1.5)
+    even = simulate_calls(route(patches2, 2, False, False, 3), 1.5, 1.0, 1.5)[0]
+    fan_in = simulate_calls(route(patches1, 3, False, False, 3), 1.5, 1.0, 1.5)[0]
     assert fan_in < even
     assert even >= 6 * 3.0 and fan_in >= 12 * 3.0 / 3  # no replica does its work faster than alone
 

@@ -1,0 +1,151 @@
+"""What a device can do, as the step-time model (models/time_model.py) reads it: a *profile*.
+
+Two sources, one shape:
+- measured: `dhp bench ops --json PATH` times matmul, attention, collectives, copies and Ray calls on the
+  machine it runs on (scripts/bench_ops.py defines every field). Its efficiency factors are 1: the rates
+  are what this machine did.
+- datasheet: `--gpu NAME` below. Peak bf16 dense rate, memory, HBM, NVLink/PCIe and inter-node bandwidth
+  from the vendors' datasheets, and *efficiency factors* (achieved / datasheet) fitted on the two rows the
+  reference published (scripts/fit_time_model.py; docs/time_model.md says how). Every fitted GPU shares
+  the H100 fit: there is no published row for the others.
+
+Bandwidths are per rank and per direction, in GB/s (1e9 B), as the layouts count bytes: the bytes one
+rank sends (`vit_comm_bytes`). NVLink 4 is 900 GB/s bidirectional, so 450 per direction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Profile:
+    name: str
+    kind: str  # "gpu" | "cpu"
+    devices_per_node: int  # GPUs of a node; for a CPU profile, cores (one one-thread actor each)
+    memory_gib: float  # one device's memory (CPU: the host's, shared)
+    matmul_tflops: float  # large matmul, compute dtype (GPU: bf16)
+    attention_tflops: float  # full attention (flash / SDPA), forward
+    window_attention_tflops: float  # 64-token windows, batched
+    memory_gbps: float  # device memory bandwidth (the optimizer step is bound by it)
+    intra_gbps: float  # collective bus bandwidth per rank inside a node
+    inter_gbps: float  # ... across nodes (per GPU: the node's NICs / its GPUs)
+    h2d_gbps: float  # host <-> device, per direction
+    object_store_gbps: float  # a tensor through Ray's object store (put + get)
+    op_latency_s: float  # one kernel launch / op dispatch
+    collective_latency_s: float  # one small collective
+    call_latency_s: float  # one Ray actor call round trip
+    matmul_by_size: list[list[float]] = field(default_factory=list)  # [[n, tflops]]: small matmuls run slower
+    all_to_all_gbps: float | None = None  # when measured apart from intra_gbps
+    all_gather_gbps: float | None = None
+    efficiency: dict[str, float] = field(default_factory=lambda: {"matmul": 1.0, "attention": 1.0, "comm": 1.0})
+    source: str = ""
+
+    def rate(self, kind: str) -> float:
+        """Achieved FLOP/s of `matmul`, `attention` or `window_attention`, efficiency applied."""
+        peak = {"matmul": self.matmul_tflops, "attention": self.attention_tflops,
+                "window_attention": self.window_attention_tflops}[kind]
+        eff = self.efficiency.get("attention" if "attention" in kind else "matmul", 1.0)
+        return peak * eff * 1e12
+
+    def matmul_rate(self, n: float) -> float:
+        """FLOP/s of a matmul whose smallest dimension is `n`: the measured curve, linear in log n between
+        its points, clamped at its ends; the large-matmul rate without a curve."""
+        import math
+
+        pts = sorted(self.matmul_by_size)
+        if not pts or n >= pts[-1][0]:
+            return self.rate("matmul")
+        if n <= pts[0][0]:
+            return pts[0][1] * 1e12 * self.efficiency.get("matmul", 1.0) * min(1.0, n / pts[0][0])
+        for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
+            if n0 <= n <= n1:
+                f = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
+                return (r0 + f * (r1 - r0)) * 1e12 * self.efficiency.get("matmul", 1.0)
+        return self.rate("matmul")
+
+    def comm_rate(self, collective: str, nodes: int = 1) -> float:
+        """Bytes/s one rank sends in `collective` (all_reduce, all_gather, all_to_all), efficiency applied;
+        a group spanning nodes runs at the inter-node rate."""
+        bw = self.inter_gbps if nodes > 1 else {
+            "all_to_all": self.all_to_all_gbps, "all_gather": self.all_gather_gbps}.get(collective) or self.intra_gbps
+        return bw * 1e9 * self.efficiency.get("comm", 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Datasheet numbers (NVIDIA H100/H200/A100/L40S datasheets; NVLink per direction; inter-node: 8 x 400 Gb/s
+# InfiniBand per 8 GPUs for H100/H200, 8 x 200 Gb/s for A100, 4 x 100 Gb/s Ethernet for an L40S node).
+# Attention peaks are the matmul peak (flash attention runs on the same tensor cores); windows of 64
+# tokens are small tiles: a quarter of it. Kernel launch ~6 us; a Ray actor call ~1 ms.
+_GPU_COMMON = dict(kind="gpu", devices_per_node=8, op_latency_s=6e-6, collective_latency_s=25e-6,
+                   call_latency_s=1e-3, object_store_gbps=5.0)
+DATASHEETS: dict[str, dict[str, Any]] = {
+    "h100-sxm": dict(_GPU_COMMON, memory_gib=80, matmul_tflops=989.0, attention_tflops=989.0,
+                     window_attention_tflops=247.0, memory_gbps=3350, intra_gbps=450, inter_gbps=50, h2d_gbps=55),
+    "h200": dict(_GPU_COMMON, memory_gib=141, matmul_tflops=989.0, attention_tflops=989.0,
+                 window_attention_tflops=247.0, memory_gbps=4800, intra_gbps=450, inter_gbps=50, h2d_gbps=55),
+    "a100-80gb": dict(_GPU_COMMON, memory_gib=80, matmul_tflops=312.0, attention_tflops=312.0,
+                      window_attention_tflops=78.0, memory_gbps=2039, intra_gbps=300, inter_gbps=25, h2d_gbps=25),
+    "l40s": dict(_GPU_COMMON, memory_gib=48, matmul_tflops=362.0, attention_tflops=362.0,
+                 window_attention_tflops=90.0, memory_gbps=864, intra_gbps=25, inter_gbps=6.25, h2d_gbps=25),
+}
+
+FITTED = Path(__file__).resolve().parent.parent / "docs" / "time_model_fit.json"
+
+
+def fitted_efficiency() -> dict[str, float]:
+    """The efficiency factors fitted on the reference's rows (docs/time_model_fit.json), else 1."""
+    if FITTED.exists():
+        return json.loads(FITTED.read_text())["efficiency"]
+    return {"matmul": 1.0, "attention": 1.0, "comm": 1.0, "call_s": 0.0}
+
+
+def datasheet(name: str, **overrides: Any) -> Profile:
+    """A named GPU's profile with the fitted efficiency; `overrides` replace any field (e.g. intra_gbps)."""
+    if name not in DATASHEETS:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(DATASHEETS)} (or a `dhp bench ops` JSON path)")
+    eff = fitted_efficiency()
+    fields = dict(DATASHEETS[name], efficiency=eff, source="datasheet x fitted efficiency (docs/time_model.md)")
+    return _with(Profile(name=name, **fields), overrides)
+
+
+def measured(path: str | Path, **overrides: Any) -> Profile:
+    """The profile `dhp bench ops --json PATH` wrote."""
+    raw = json.loads(Path(path).read_text())
+    h2d = raw.get("h2d_gbps") or raw["memory_gbps"] / 2
+    fields = dict(
+        name=raw["name"], kind=raw["kind"], devices_per_node=int(raw["devices_per_node"]),
+        memory_gib=float(raw["memory_gib"]), matmul_tflops=raw["matmul_tflops"],
+        attention_tflops=raw["attention_tflops"], window_attention_tflops=raw["window_attention_tflops"],
+        memory_gbps=raw["memory_gbps"], intra_gbps=raw.get("all_reduce_gbps") or h2d,
+        inter_gbps=raw.get("all_reduce_gbps") or h2d, h2d_gbps=h2d,
+        object_store_gbps=raw.get("object_store_gbps") or h2d, op_latency_s=raw["op_latency_s"],
+        collective_latency_s=raw.get("collective_latency_s") or 0.0, call_latency_s=raw.get("call_latency_s") or 0.0,
+        matmul_by_size=raw.get("matmul_by_size", []), all_to_all_gbps=raw.get("all_to_all_gbps"),
+        all_gather_gbps=raw.get("all_gather_gbps"), efficiency=dict(raw.get("efficiency") or {}),
+        source=f"measured by dhp bench ops ({path})",
+    )
+    return _with(Profile(**fields), overrides)
+
+
+def profile(name_or_path: str, **overrides: Any) -> Profile:
+    """`--gpu`: a datasheet name, or the path of a `dhp bench ops` JSON."""
+    if name_or_path in DATASHEETS:
+        return datasheet(name_or_path, **overrides)
+    if Path(name_or_path).exists():
+        return measured(name_or_path, **overrides)
+    raise ValueError(f"--gpu {name_or_path!r}: not a known GPU ({', '.join(DATASHEETS)}) nor a profile file")
+
+
+def _with(p: Profile, overrides: dict[str, Any]) -> Profile:
+    known = {f.name for f in dataclasses.fields(Profile)}
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ValueError(f"unknown profile field(s) {bad}; known: {', '.join(sorted(known))}")
+    return dataclasses.replace(p, **overrides)

@@ -1,0 +1,286 @@
+"""Step time of a configuration on a named device, before anything runs (`dhp plan --time`).
+
+The workload: every image `P` patches (`--image-patches`), every sample `T` text tokens besides its P/4
+merged image tokens (`--text-tokens`, default 512), `data.microbatch_tokens // (P/4 + T)` samples per
+micro-batch (at least 1), `training.global_batch_size` samples per step. Throughput is vision tokens
+(patches) per second over the whole job, as the reference counts it.
+
+One micro-batch, per rank of each pool (seconds = work / the profile's rate for that kind of work):
+- compute by op class: vision linear (patch embed, blocks, merger: `flops.vision_linear_flops_per_patch`),
+  window attention, full attention; text linear, attention (causal: half the L x L score work), lm_head
+  (on the T labelled positions). Forward 1, backward 2 (input and weight gradients); divided by the
+  layout's shard of the work (`work_share`: sequence and tensor parallel 1/degree). Small vision matmuls
+  read the profile's measured matmul curve at their width.
+- recomputation: activation checkpointing runs the chosen blocks' forward again in the backward (compute
+  and, for sequence/tensor parallel, their collectives).
+- collectives: the layouts' own byte counts (`Layout.vit_comm_bytes`: Ulysses all-to-alls, vision TP
+  all-reduces; text TP: 2 all-reduces of [L, H] per layer forward and 2 backward), plus a latency each;
+  ZeRO-3's per-unit all-gathers and reduce-scatter every micro-batch (`vit_grad_sync_bytes` and its text
+  analogue), overlapped with compute by its prefetch: the larger of the two counts.
+- overhead: kernels (ops per block x the profile's launch latency) and one Ray call each.
+- boundary: the merged vision tokens [S*P/4, out_hidden] cross to the text pool and their gradient comes
+  back: device -> host -> object store -> host -> device, both ways.
+The micro-batch calls are then placed on devices (shared: vision and text actor b on device b, taking
+turns; disjoint: each pool its own) in the order the trainer submits them (`routing.route` +
+`schedule.pipeline_schedule`), and simulated: the makespan; the *bubble* is the busiest device's idle
+time in it. Per step on top: the gradient synchronisation of data-parallel replicas (all-reduce +
+ZeRO-1 broadcast) and the AdamW step (memory bound: params, grads and moments read, params and moments
+written), both pools in turn on a shared device.
+
+Stated simplifications: every micro-batch is the same shape (no packing variance); communication inside
+a node unless the group spans more GPUs than a node has; no overlap of TP/SP collectives with compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dhp.models.hardware import Profile
+from dhp.models.memory_plan import held_numel, meta_build
+
+VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attention, proj, MLP, residuals)
+TEXT_LAYER_OPS = 36  # per decoder layer forward (fp32 RMSNorms are several kernels each)
+BACKWARD_OPS = 2  # backward kernels per forward kernel
+
+
+@dataclass
+class Workload:
+    image_patches: int
+    text_tokens: int = 512
+    nodes: int = 1
+
+    @property
+    def sample_tokens(self) -> int:
+        return self.image_patches // 4 + self.text_tokens
+
+
+@dataclass
+class CallCost:
+    """Seconds of one call on each of its ranks, by part."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def samples_per_microbatch(cfg: Any, w: Workload) -> int:
+    return max(1, cfg.data.microbatch_tokens // w.sample_tokens)
+
+
+def _recomputed_share(s: Any, blocks: int) -> float:
+    from dhp.models.activation_checkpointing import ActivationCheckpointing
+
+    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
+    return len(ac.chosen(blocks)) / blocks
+
+
+def _work_share(layout: Any) -> float:
+    """Share of a replica's matrix work one rank does: sequence and tensor parallel split it by degree."""
+    return 1.0 / layout.degree if layout.name in ("sequence", "tensor") else 1.0
+
+
+def _bytes(cfg: Any, stage: str) -> int:
+    from dhp.models.memory_plan import activation_bytes_per_element
+
+    return activation_bytes_per_element(cfg, stage)
+
+
+def _window_patches(vc: Any) -> int:
+    return (vc.window_size // vc.patch_size) ** 2
+
+
+def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCost, CallCost]:
+    """(forward, backward) of one vision micro-batch on one rank."""
+    from dhp.models import flops
+    from dhp.models.layout import VitShape
+    from dhp.models.layouts import stage_layout
+
+    vc, s = mc.vision_config, cfg.vision
+    layout = stage_layout(cfg, "vision", mc)
+    share, b = _work_share(layout), _bytes(cfg, "vision")
+    images = samples_per_microbatch(cfg, w)
+    p = w.image_patches * images
+    full = len(vc.fullatt_block_indexes)
+    width = vc.hidden_size * (share if layout.name == "tensor" else 1.0)  # TP: narrower matmuls
+    linear = flops.vision_linear_flops_per_patch(vc) * p * share / prof.matmul_rate(width)
+    window = 4 * vc.hidden_size * p * min(w.image_patches, _window_patches(vc)) * (vc.depth - full)
+    window_s = window * share / prof.rate("window_attention")
+    full_s = 4 * vc.hidden_size * p * w.image_patches * full * share / prof.rate("attention")
+    shape = VitShape.of(vc.to_dict())
+    comm_bytes = layout.vit_comm_bytes(shape, p, b)
+    collective = "all_to_all" if layout.name == "sequence" else "all_reduce"
+    per_block_colls = {"sequence": 4 * full / vc.depth, "tensor": 2}.get(layout.name, 0) * (layout.degree > 1)
+    comm_s = comm_bytes / prof.comm_rate(collective, _nodes_spanned(layout.degree, prof))
+    comm_lat = per_block_colls * vc.depth * prof.collective_latency_s
+    recompute = _recomputed_share(s, vc.depth)
+    ops = VIT_BLOCK_OPS * vc.depth * prof.op_latency_s
+    fwd, bwd = CallCost(), CallCost()
+    for part, sec in (("linear", linear), ("window_attention", window_s), ("full_attention", full_s)):
+        fwd.add(part, sec)
+        bwd.add(part, 2 * sec)
+        bwd.add("recompute", recompute * sec)
+    fwd.add("collectives", comm_s / 2 + comm_lat)
+    bwd.add("collectives", comm_s / 2 + comm_lat)
+    bwd.add("recompute", recompute * (comm_s / 2 + comm_lat))
+    fwd.add("kernels", ops)
+    bwd.add("kernels", ops * (BACKWARD_OPS + recompute))
+    if layout.spans_pool:  # ZeRO-3 gathers each unit forward and backward, reduce-scatters its gradients
+        rate = prof.comm_rate("all_gather", _nodes_spanned(layout.num_actors, prof))
+        gather = layout.vit_grad_sync_bytes(shape, b) / rate
+        _overlap(fwd, gather / 3)
+        _overlap(bwd, 2 * gather / 3)
+    boundary = _boundary_s(cfg, mc, prof, p // 4)
+    fwd.add("boundary", boundary)
+    bwd.add("boundary", boundary)
+    fwd.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
+    bwd.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
+    return fwd, bwd
+
+
+def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
+    """One text forward + backward on one rank."""
+    from dhp.models import flops
+    from dhp.models.layouts import stage_layout
+
+    tc, s = mc.text_config, cfg.text
+    layout = stage_layout(cfg, "text", mc)
+    share, b = _work_share(layout), _bytes(cfg, "text")
+    samples = samples_per_microbatch(cfg, w)
+    length, layers = w.sample_tokens, tc.num_hidden_layers
+    tokens = length * samples
+    linear = flops.text_linear_flops_per_token(tc) * tokens * share / prof.rate("matmul")
+    q_width = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+    attention = 0.5 * 4 * q_width * layers * length * length * samples * share / prof.rate("attention")
+    head = flops.lm_head_flops_per_token(tc) * w.text_tokens * samples * share / prof.rate("matmul")
+    recompute = _recomputed_share(s, layers)
+    cost = CallCost()
+    for part, sec in (("linear", linear), ("attention", attention), ("lm_head", head)):
+        cost.add(part, 3 * sec)
+    cost.add("recompute", recompute * (linear + attention))
+    if layout.name == "tensor" and layout.degree > 1:
+        t = layout.degree
+        per_allreduce = 2 * (t - 1) / t * tokens * tc.hidden_size * b
+        count = layers * (4 + 2 * recompute)
+        rate = prof.comm_rate("all_reduce", _nodes_spanned(t, prof))
+        cost.add("collectives", 4 * layers * (per_allreduce / rate + prof.collective_latency_s))
+        cost.add("recompute", (count - 4 * layers) * (per_allreduce / rate + prof.collective_latency_s))
+    cost.add("kernels", TEXT_LAYER_OPS * layers * (1 + BACKWARD_OPS + recompute) * prof.op_latency_s)
+    if layout.spans_pool:
+        n = layout.num_actors
+        params = _numel(mc, "text")
+        gather = 3 * (n - 1) / n * params * b / prof.comm_rate("all_gather", _nodes_spanned(n, prof))
+        _overlap(cost, gather)
+    cost.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
+    return cost
+
+
+def _overlap(cost: CallCost, comm_s: float) -> None:
+    """Prefetched collectives hide under compute: only what exceeds it shows."""
+    cost.add("collectives", max(0.0, comm_s - cost.total))
+
+
+def _nodes_spanned(group: int, prof: Profile) -> int:
+    return math.ceil(group / prof.devices_per_node) if prof.kind == "gpu" else 1
+
+
+def _boundary_s(cfg: Any, mc: Any, prof: Profile, merged_tokens: int) -> float:
+    nbytes = merged_tokens * mc.vision_config.out_hidden_size * _bytes(cfg, "vision")
+    hops = 2 / prof.h2d_gbps if prof.kind == "gpu" else 0.0
+    return nbytes * (hops + 1 / prof.object_store_gbps) / 1e9
+
+
+def _shapes(mc: Any, stage: str) -> dict:
+
+    return meta_build(mc, stage)[1]
+
+
+def _numel(mc: Any, stage: str) -> int:
+    return sum(math.prod(v) for v in _shapes(mc, stage).values())
+
+
+def step_extras(cfg: Any, mc: Any, prof: Profile, stage: str) -> dict[str, float]:
+    """Once per step on one rank of `stage`: gradient sync of data-parallel copies, the AdamW step."""
+    from dhp.models.layouts import stage_layout
+    from dhp.models.precision import precision_of
+
+    layout = stage_layout(cfg, stage, mc)
+    prec = precision_of(cfg.model.precision)
+    shapes = _shapes(mc, stage)
+    held = held_numel(layout, shapes, 0)
+    copies = 1 if layout.spans_pool else layout.num_actors * held // max(1, _numel(mc, stage))
+    sync = 0.0
+    if copies > 1:  # all-reduce of the gradients, then ZeRO-1's broadcast of what each stepped
+        sent = (copies - 1) / copies * held * (2 * prec.grad_bytes + prec.param_bytes)
+        sync = sent / prof.comm_rate("all_reduce", _nodes_spanned(layout.num_actors, prof))
+    stepped = held * layout.optimizer_fraction
+    adam = stepped * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes) / (prof.memory_gbps * 1e9)
+    return {"grad_sync": sync, "optimizer": adam}
+
+
+def _devices(cfg: Any, prof: Profile) -> tuple[Any, Any]:
+    """(vision rank -> device, text rank -> device): shared bundles, disjoint pools; on a CPU profile
+    the OS spreads every actor over the cores."""
+    nv, nt = cfg.vision.num_actors, cfg.text.num_actors
+    if prof.kind == "cpu":
+        cores = prof.devices_per_node
+        return (lambda i: i % cores), (lambda j: (nv + j) % cores)
+    if cfg.pipeline.placement == "shared":
+        bundles = max(nv, nt)
+        return (lambda i: i % bundles), (lambda j: j % bundles)
+    return (lambda i: i), (lambda j: nv + j)
+
+
+def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
+    """The predicted step: seconds, its parts (per pool, per micro-batch call and per step), the simulated
+    makespan and bubble, vision tokens/s."""
+    from dhp.models.layouts import stage_layout
+    from dhp.stages.pools import replicas
+    from dhp.stages.routing import route, simulate_calls
+
+    vl, tl = stage_layout(cfg, "vision", mc), stage_layout(cfg, "text", mc)
+    dv, dt = replicas(cfg, "vision"), replicas(cfg, "text")
+    samples = samples_per_microbatch(cfg, w)
+    per_text = -(-cfg.training.global_batch_size // dt)
+    m = -(-per_text // samples)
+    fwd, bwd = vision_calls(cfg, mc, prof, w)
+    text = text_call(cfg, mc, prof, w)
+    calls = route([[w.image_patches * samples] * m for _ in range(dt)], dv, vl.lockstep, tl.lockstep,
+                  cfg.pipeline.max_in_flight)
+    v_dev, t_dev = _devices(cfg, prof)
+
+    def resources(call: Any) -> list[Any]:
+        layout, dev = (vl, v_dev) if call.stage == "vision" else (tl, t_dev)
+        return sorted({dev(rank) for r, _ in call.members for rank in layout.state_ranks(r)[:layout.degree]}
+                      if not layout.spans_pool else {dev(r) for r, _ in call.members})
+
+    makespan, busy = simulate_calls(calls, fwd.total, text.total, bwd.total, resources)
+    extras = {stage: step_extras(cfg, mc, prof, stage) for stage in ("vision", "text")}
+    shared = prof.kind == "cpu" or cfg.pipeline.placement == "shared"
+    tail = {k: (extras["vision"][k] + extras["text"][k]) if shared else max(extras["vision"][k], extras["text"][k])
+            for k in ("grad_sync", "optimizer")}
+    step = makespan + sum(tail.values())
+    parts: dict[str, float] = {}
+    n_calls = {"vision": sum(c.stage == "vision" for c in calls) / 2, "text": sum(c.stage == "text" for c in calls)}
+    for stage, costs in (("vision", (fwd, bwd)), ("text", (text,))):
+        for c in costs:
+            for part, sec in c.parts.items():
+                key = f"{stage}.{part}"
+                parts[key] = parts.get(key, 0.0) + sec * n_calls[stage]
+        for k, sec in extras[stage].items():
+            parts[f"{stage}.{k}"] = sec
+    bubble = makespan - max(busy.values(), default=0.0)
+    patches = cfg.training.global_batch_size * w.image_patches
+    return {
+        "step_s": step, "vision_tokens_per_s": patches / step, "global_batch_size": cfg.training.global_batch_size,
+        "makespan_s": makespan, "bubble_s": bubble, "tail_s": tail, "microbatches_per_text_replica": m,
+        "samples_per_microbatch": samples, "per_call_s": {"vision_forward": fwd.total, "text": text.total,
+                                                         "vision_backward": bwd.total},
+        "parts_s": parts, "profile": prof.name, "image_patches": w.image_patches, "text_tokens": w.text_tokens,
+    }

@@ -1,0 +1,220 @@
+"""`dhp plan --time` (one configuration's predicted step) and `dhp plan --search` (the best layouts).
+
+    dhp plan --time --gpu h100-sxm --gpus 8 --image-patches 16384 [--text-tokens 512] [--nodes 1]
+             [--gpu-set FIELD=VALUE ...] [--config C] [KEY=VALUE ...] [--json PATH]
+    dhp plan --search --gpu h100-sxm --gpus 8 [--image-patches P] [--top 10] [--out best.yaml] [--json PATH]
+
+`--gpu` is a datasheet name (models/hardware.py) or the JSON `dhp bench ops` wrote; `--gpu-set` replaces a
+profile field (e.g. `intra_gbps=300`). The layout is the config's; on a GPU profile this module fills in
+what the GPU count implies: `num_gpus_per_actor` (shared placement: both pools' actor b on GPU b, half a
+GPU each; disjoint: one each, the pools side by side), `model.dtype: bfloat16`, the GPU's memory for the
+memory plan, and a micro-batch of at least one sample (`data.microbatch_tokens` >= P/4 + T).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from dhp.models.hardware import Profile, profile
+from dhp.models.time_model import Workload, step_time
+from dhp.stages.config import Config, ConfigError
+
+GIB = 2**30
+
+
+def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload) -> Config:
+    """A copy of `cfg` as it would run on `gpus` devices of `prof` (module docstring)."""
+    cfg = copy.deepcopy(cfg)
+    tokens = w.sample_tokens
+    if cfg.data.microbatch_tokens < tokens:
+        cfg.data.microbatch_tokens = tokens
+    cfg.data.max_seq_len = min(cfg.data.max_seq_len, cfg.data.microbatch_tokens)
+    cfg.data.max_seq_len = max(cfg.data.max_seq_len, tokens)
+    if prof.kind != "gpu":
+        return cfg
+    nv, nt = cfg.vision.num_actors, cfg.text.num_actors
+    shared = cfg.pipeline.placement == "shared"
+    need = max(nv, nt) if shared else nv + nt
+    if gpus is not None and gpus != need:
+        how = (f"shared placement puts vision actor b and text actor b on GPU b: max(vision.num_actors, "
+               f"text.num_actors) = {need}" if shared
+               else f"disjoint pools: vision.num_actors + text.num_actors = {need}")
+        raise ConfigError(f"--gpus {gpus} does not match the layout ({how}); set the pools' num_actors to fill "
+                          f"{gpus} GPUs or pass --gpus {need}")
+    per_gpu = 0.5 if shared and min(nv, nt) == max(nv, nt) else 1.0
+    cfg.vision.num_gpus_per_actor = cfg.text.num_gpus_per_actor = per_gpu
+    if shared and nv != nt:  # the larger pool's extra actors have a GPU to themselves
+        cfg.vision.num_gpus_per_actor = cfg.text.num_gpus_per_actor = 0.5
+    cfg.model.dtype = "bfloat16"
+    cfg.training.gpu_memory_gib = prof.memory_gib
+    return cfg
+
+
+def predict(cfg: Config, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
+    """`step_time` plus the memory plan of the same configuration: `fits`, GiB per device."""
+    from dhp.models.memory_plan import plan
+
+    result = step_time(cfg, mc, prof, w)
+    patches = w.image_patches * result["samples_per_microbatch"]
+    mem = plan(cfg, mc, prof.memory_gib if prof.kind == "gpu" else None, vision_patches=patches)
+    return {**result, "fits": mem["fits"] is not False, "memory_per_device_gib": mem["per_device"] / GIB,
+            "memory_source": mem["device_source"], "layout": describe(cfg)}
+
+
+def describe(cfg: Config) -> str:
+    def pool(s: Any) -> str:
+        name = {"none": "DP", "sequence": "SP", "tensor": "TP", "zero3": "ZeRO-3"}[s.parallelism]
+        reps = s.num_actors // s.degree
+        return f"{name}{s.degree if s.degree > 1 else ''}" + (f" x{reps}" if reps > 1 else "")
+
+    ac = "/".join("AC" if s.activation_checkpointing != "none" else "-" for s in (cfg.vision, cfg.text))
+    return (f"vision {pool(cfg.vision)} | text {pool(cfg.text)} | {cfg.pipeline.placement} | "
+            f"in flight {cfg.pipeline.max_in_flight} | ckpt {ac} | {cfg.model.precision}")
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [f"{r['layout']}",
+             f"workload: {r['image_patches']} patches + {r['text_tokens']} text tokens per sample, "
+             f"{r['samples_per_microbatch']} per micro-batch, global batch {r['global_batch_size']}, "
+             f"{r['microbatches_per_text_replica']} micro-batches per text replica; profile {r['profile']}",
+             "", "| part | seconds per step (one rank) |", "|---|---:|"]
+    for part, sec in sorted(r["parts_s"].items(), key=lambda kv: -kv[1]):
+        if sec > 0:
+            lines.append(f"| {part} | {sec:.4f} |")
+    lines += ["", f"micro-batch calls: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in r['per_call_s'].items())}",
+              f"simulated micro-batch makespan {r['makespan_s']:.3f} s (pipeline bubble {r['bubble_s']:.3f} s on "
+              f"the busiest device) + gradient sync {r['tail_s']['grad_sync']:.3f} s + optimizer "
+              f"{r['tail_s']['optimizer']:.3f} s",
+              f"step {r['step_s']:.3f} s; {r['vision_tokens_per_s']:.0f} vision tokens/s; memory "
+              f"{r['memory_per_device_gib']:.1f} GiB per device ({'fits' if r['fits'] else 'DOES NOT FIT'}; "
+              f"{r['memory_source']})"]
+    return "\n".join(lines)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _stage_options(stage: str, n: int) -> list[tuple[str, int]]:
+    kinds = ("none", "sequence", "tensor", "zero3") if stage == "vision" else ("none", "tensor", "zero3")
+    out = []
+    for kind in kinds:
+        if kind in ("none", "zero3"):
+            out.append((kind, 1))
+        else:
+            out += [(kind, d) for d in _divisors(n) if d > 1]
+    return out
+
+
+def candidates(base: Config, gpus: int) -> list[Config]:
+    """Every layout of `gpus` GPUs: per pool a parallelism and degree, the replicas filling the pool, shared
+    (both pools on every GPU) or disjoint (the GPUs split); pipelining and micro-batch size come after."""
+    out = []
+    splits = [("shared", gpus, gpus)] + [("disjoint", v, gpus - v) for v in range(1, gpus)]
+    for placement, nv, nt in splits:
+        for (vk, vd), (tk, td) in itertools.product(_stage_options("vision", nv), _stage_options("text", nt)):
+            cfg = copy.deepcopy(base)
+            cfg.pipeline.placement = placement
+            for s, kind, d, n in ((cfg.vision, vk, vd, nv), (cfg.text, tk, td, nt)):
+                s.parallelism, s.degree, s.num_actors = kind, d, n
+                s.activation_checkpointing = "none"
+            out.append(cfg)
+    return out
+
+
+def search(base: Config, mc: Any, prof: Profile, gpus: int, w: Workload) -> list[dict[str, Any]]:
+    """Ranked predictions of the layouts that fit: for each layout, micro-batch samples 1/2/4, in-flight
+    1/2/4, and the first memory lever that makes it fit: fp32 master states before pure bf16 (a choice of
+    numerics, not only of speed), and within each, no recomputation before checkpointing a pool."""
+    from dhp.stages.pools import check_layout
+
+    rows = []
+    levers = [(va, ta, precision) for precision in ("fp32", "bf16")
+              for va, ta in (("none", "none"), ("full", "none"), ("none", "full"), ("full", "full"))]
+    for layout in candidates(base, gpus):
+        for samples, in_flight in itertools.product((1, 2, 4), (1, 2, 4)):
+            cfg = copy.deepcopy(layout)
+            cfg.data.microbatch_tokens = samples * w.sample_tokens
+            cfg.pipeline.max_in_flight = in_flight
+            try:
+                check_layout(cfg, mc)
+                cfg = prepare(cfg, prof, gpus, w)
+            except ConfigError:
+                continue
+            for va, ta, precision in levers:
+                cfg.vision.activation_checkpointing, cfg.text.activation_checkpointing = va, ta
+                cfg.model.precision = precision
+                r = predict(cfg, mc, prof, w)
+                if r["fits"]:
+                    rows.append({**r, "config": copy.deepcopy(cfg)})
+                    break
+    rows.sort(key=lambda r: -r["vision_tokens_per_s"])
+    return rows
+
+
+def search_table(rows: list[dict[str, Any]], top: int) -> str:
+    lines = ["| # | layout | samples / micro-batch | step s | vision tokens/s | GiB / GPU |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for i, r in enumerate(rows[:top], 1):
+        lines.append(f"| {i} | {r['layout']} | {r['samples_per_microbatch']} | {r['step_s']:.3f} | "
+                     f"{r['vision_tokens_per_s']:.0f} | {r['memory_per_device_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def _profile(args: Any) -> Profile:
+    overrides = {}
+    for item in args.gpu_set or []:
+        key, _, value = item.partition("=")
+        overrides[key] = float(value)
+    try:
+        prof = profile(args.gpu, **overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.nodes > 1:
+        prof.devices_per_node = math.ceil((args.gpus or prof.devices_per_node) / args.nodes)
+    return prof
+
+
+def _json_row(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in r.items() if k != "config"}
+
+
+def main(args: Any) -> int:
+    from dhp.stages.config import load_config, save_config
+    from dhp.stages.pools import check_layout
+    from dhp.stages.trainer import model_config_of
+
+    if not args.gpu:
+        raise ConfigError("--time and --search need --gpu NAME (h100-sxm, h200, a100-80gb, l40s) or a profile JSON")
+    cfg = load_config(args.config, args.overrides)
+    mc = model_config_of(cfg)
+    prof = _profile(args)
+    w = Workload(args.image_patches, args.text_tokens, args.nodes)
+    if args.search:
+        if not args.gpus:
+            raise ConfigError("--search needs --gpus N")
+        rows = search(cfg, mc, prof, args.gpus, w)
+        if not rows:
+            print(f"no layout of {args.gpus} x {prof.name} fits {args.image_patches} patches per image")
+            return 1
+        print(search_table(rows, args.top))
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_config(rows[0]["config"], out)
+        print(f"\nbest layout written to {out} (dhp train --config {out})")
+        if args.json:
+            Path(args.json).write_text(json.dumps([_json_row(r) for r in rows[:args.top]], indent=1, default=str))
+        return 0
+    check_layout(cfg, mc)
+    cfg = prepare(cfg, prof, args.gpus, w)
+    r = predict(cfg, mc, prof, w)
+    print(table(r))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(_json_row(r), indent=1, default=str))
+    return 0 if r["fits"] else 1

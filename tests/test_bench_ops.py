@@ -1,0 +1,51 @@
+"""`dhp bench ops` (scripts/bench_ops.py) on its quick sizes: a complete profile of measured rates."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from dhp.scripts.bench_ops import CPU_MATMUL_SIZES, FIELDS, main
+
+RATES = ("matmul_tflops", "attention_tflops", "window_attention_tflops", "op_latency_s", "memory_gbps",
+         "all_reduce_gbps", "all_gather_gbps", "all_to_all_gbps", "collective_latency_s", "h2d_gbps",
+         "object_store_gbps", "call_latency_s")
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory, ray_session):
+    """One quick run, on the session's Ray (the bench reuses a running Ray and leaves it running)."""
+    path = tmp_path_factory.mktemp("bench_ops") / "sub" / "profile.json"
+    assert main(argparse.Namespace(json=str(path), quick=True)) == 0
+    assert ray_session.is_initialized()
+    return json.loads(path.read_text())
+
+
+def test_profile_has_every_field_measured(profile):
+    assert set(profile) == {key for key, _ in FIELDS}
+    assert profile["kind"] == "cpu" and profile["quick"] is True and profile["threads"] == 1
+    assert profile["name"].startswith("measured:") and profile["memory_gib"] > 0
+    for key in RATES:  # on a CPU machine the collectives and the object store are measured, never null
+        value = profile[key]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
+    assert profile["efficiency"] == {"matmul": 1.0, "attention": 1.0, "comm": 1.0}
+    assert all(isinstance(n, str) for n in profile["notes"]) and profile["notes"]
+
+
+def test_matmul_by_size_is_sorted_and_ends_with_the_headline(profile):
+    sizes = [n for n, _ in profile["matmul_by_size"]]
+    assert sizes == sorted(sizes) == list(CPU_MATMUL_SIZES)
+    assert all(math.isfinite(r) and r > 0 for _, r in profile["matmul_by_size"])
+    assert profile["matmul_tflops"] == profile["matmul_by_size"][-1][1]
+
+
+def test_unwritable_json_path_fails_before_measuring(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(FileExistsError, match="is a file, not a directory"):
+        main(argparse.Namespace(json=str(blocker / "profile.json"), quick=True))
+    with pytest.raises(FileExistsError, match="is a directory"):
+        main(argparse.Namespace(json=str(tmp_path), quick=True))
