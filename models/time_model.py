@@ -267,7 +267,9 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
             for k in ("grad_sync", "optimizer")}
     step = makespan + sum(tail.values())
     parts: dict[str, float] = {}
-    n_calls = {"vision": sum(c.stage == "vision" for c in calls) / 2, "text": sum(c.stage == "text" for c in calls)}
+    units = {"vision": 1 if vl.lockstep else dv, "text": 1 if tl.lockstep else dt}  # calls spread over these
+    n_calls = {"vision": sum(c.stage == "vision" for c in calls) / 2 / units["vision"],
+               "text": sum(c.stage == "text" for c in calls) / units["text"]}
     for stage, costs in (("vision", (fwd, bwd)), ("text", (text,))):
         for c in costs:
             for part, sec in c.parts.items():
