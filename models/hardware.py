@@ -41,6 +41,24 @@ class Profile:
     call_latency_s: float  # one Ray actor call round trip
     matmul_by_size: list[list[float]] = field(default_factory=list)  # [[n, tflops]]: small matmuls run slower
     all_to_all_gbps: float | None = None  # when measured apart from intra_gbps
+    # Attention beyond one rate (measured by `dhp bench ops`; the datasheet defaults are the plain model the
+    # fitted efficiencies were fitted with): the rates' head_dim and the rate by head_dim, a causal kernel's
+    # rate counting half the score work (None: attention_tflops, a kernel that skips the masked half), and
+    # the backward's cost in forwards.
+    attention_head_dim: int = 128
+    attention_by_head_dim: list[list[float]] = field(default_factory=list)
+    causal_attention_tflops: float | None = None
+    attention_backward_ratio: float = 2.0
+    optimizer_s_per_param: float | None = None  # one AdamW step, measured; None: bound by memory_gbps
+    # Elementwise work (norms, activations, rotary, residuals) is bound by memory, not FLOPs. A measured
+    # profile counts it: every activation the memory plan counts is written in the forward, read in the
+    # backward, its gradient written and read (4 passes), and every backward accumulates a gradient into
+    # `.grad`. A datasheet profile leaves it to the fitted efficiency factors (0), as they were fitted.
+    memory_passes: int = 0
+    # [[tensor bytes, seconds]] of one collective on 2 ranks (measured); empty: latency + bytes / bandwidth
+    all_reduce_by_size: list[list[float]] = field(default_factory=list)
+    all_gather_by_size: list[list[float]] = field(default_factory=list)
+    all_to_all_by_size: list[list[float]] = field(default_factory=list)
     all_gather_gbps: float | None = None
     efficiency: dict[str, float] = field(default_factory=lambda: {"matmul": 1.0, "attention": 1.0, "comm": 1.0})
     source: str = ""
@@ -51,6 +69,18 @@ class Profile:
                 "window_attention": self.window_attention_tflops}[kind]
         eff = self.efficiency.get("attention" if "attention" in kind else "matmul", 1.0)
         return peak * eff * 1e12
+
+    def attention_rate(self, kind: str, head_dim: int) -> float:
+        """`rate(kind)` of `attention`, `window_attention` or `causal_attention` (FLOP/s of the work a causal
+        kernel needs) at `head_dim`, scaled by the measured head_dim curve (log-linear, clamped)."""
+        base = kind if kind != "causal_attention" else "attention"
+        rate = self.rate(base)
+        if kind == "causal_attention" and self.causal_attention_tflops:
+            rate *= self.causal_attention_tflops / self.attention_tflops
+        pts = sorted(self.attention_by_head_dim)
+        if len(pts) < 2:
+            return rate
+        return rate * _loglinear(pts, head_dim) / _loglinear(pts, self.attention_head_dim)
 
     def matmul_rate(self, n: float) -> float:
         """FLOP/s of a matmul whose smallest dimension is `n`: the measured curve, linear in log n between
@@ -68,6 +98,34 @@ class Profile:
                 return (r0 + f * (r1 - r0)) * 1e12 * self.efficiency.get("matmul", 1.0)
         return self.rate("matmul")
 
+    def optimizer_s(self, params: float, bytes_per_param: float) -> float:
+        """Seconds of one AdamW step over `params` parameters: measured per parameter, else memory bound."""
+        if self.optimizer_s_per_param:
+            return params * self.optimizer_s_per_param
+        return params * bytes_per_param / (self.memory_gbps * 1e9)
+
+    def collective_s(self, collective: str, tensor_bytes: float, ranks: int, nodes: int = 1) -> float:
+        """Seconds of one `collective` (all_reduce, all_gather: its output, all_to_all) of a `tensor_bytes`
+        tensor on `ranks` ranks: the measured curve (log-log between its points, linear in bytes past its
+        end, for 2 ranks: scaled by (n-1)/n / (1/2) for n) inside a node, else latency + bytes / bandwidth."""
+        import math
+
+        share = (ranks - 1) / ranks
+        pts = sorted(getattr(self, f"{collective}_by_size"))
+        if tensor_bytes <= 0 or ranks < 2:
+            return 0.0
+        if not pts or nodes > 1:
+            sent = (2 if collective == "all_reduce" else 1) * share * tensor_bytes
+            return self.collective_latency_s + sent / self.comm_rate(collective, nodes)
+        if tensor_bytes >= pts[-1][0]:
+            seconds = pts[-1][1] * tensor_bytes / pts[-1][0]
+        elif tensor_bytes <= pts[0][0]:
+            seconds = pts[0][1]
+        else:
+            logs = [[math.log(b), math.log(t)] for b, t in pts]
+            seconds = math.exp(_loglinear([[math.exp(b), t] for b, t in logs], tensor_bytes))
+        return seconds * share / 0.5
+
     def comm_rate(self, collective: str, nodes: int = 1) -> float:
         """Bytes/s one rank sends in `collective` (all_reduce, all_gather, all_to_all), efficiency applied;
         a group spanning nodes runs at the inter-node rate."""
@@ -77,6 +135,18 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _loglinear(pts: list[list[float]], x: float) -> float:
+    """y at x on a curve of [x, y] points, linear in log x between them, clamped at its ends."""
+    import math
+
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) * (y1 - y0)
+    return pts[-1][1]
 
 
 # Datasheet numbers (NVIDIA H100/H200/A100/L40S datasheets; NVLink per direction; inter-node: 8 x 400 Gb/s
@@ -129,6 +199,12 @@ def measured(path: str | Path, **overrides: Any) -> Profile:
         collective_latency_s=raw.get("collective_latency_s") or 0.0, call_latency_s=raw.get("call_latency_s") or 0.0,
         matmul_by_size=raw.get("matmul_by_size", []), all_to_all_gbps=raw.get("all_to_all_gbps"),
         all_gather_gbps=raw.get("all_gather_gbps"), efficiency=dict(raw.get("efficiency") or {}),
+        attention_head_dim=int(raw.get("attention_head_dim") or 128),
+        attention_by_head_dim=raw.get("attention_by_head_dim", []),
+        causal_attention_tflops=raw.get("causal_attention_tflops"),
+        attention_backward_ratio=raw.get("attention_backward_ratio") or 2.0,
+        optimizer_s_per_param=raw.get("optimizer_s_per_param"), memory_passes=int(raw.get("memory_passes", 4)),
+        **{f"{k}_by_size": raw.get(f"{k}_by_size") or [] for k in ("all_reduce", "all_gather", "all_to_all")},
         source=f"measured by dhp bench ops ({path})",
     )
     return _with(Profile(**fields), overrides)

@@ -8,7 +8,8 @@ micro-batch (at least 1), `training.global_batch_size` samples per step. Through
 One micro-batch, per rank of each pool (seconds = work / the profile's rate for that kind of work):
 - compute by op class: vision linear (patch embed, blocks, merger: `flops.vision_linear_flops_per_patch`),
   window attention, full attention; text linear, attention (causal: half the L x L score work), lm_head
-  (on the T labelled positions). Forward 1, backward 2 (input and weight gradients); divided by the
+  (on the T labelled positions). Forward 1, backward 2 (input and weight gradients; attention: the profile's
+  measured backward/forward ratio, 2 on a datasheet), text attention at the causal rate; divided by the
   layout's shard of the work (`work_share`: sequence and tensor parallel 1/degree). Small vision matmuls
   read the profile's measured matmul curve at their width.
 - recomputation: activation checkpointing runs the chosen blocks' forward again in the backward (compute
@@ -16,7 +17,11 @@ One micro-batch, per rank of each pool (seconds = work / the profile's rate for 
 - collectives: the layouts' own byte counts (`Layout.vit_comm_bytes`: Ulysses all-to-alls, vision TP
   all-reduces; text TP: 2 all-reduces of [L, H] per layer forward and 2 backward), plus a latency each;
   ZeRO-3's per-unit all-gathers and reduce-scatter every micro-batch (`vit_grad_sync_bytes` and its text
-  analogue), overlapped with compute by its prefetch: the larger of the two counts.
+  analogue), overlapped with compute by its prefetch on a GPU: the larger of the two counts (on a CPU, gloo
+  takes the cores the compute needs: the sum).
+- memory (measured profiles): elementwise work is bound by memory bandwidth: the activations the memory plan
+  counts, `Profile.memory_passes` passes, and each backward's gradient accumulation into `.grad` (3 x the
+  rank's gradient bytes). A datasheet profile has 0: its fitted efficiency stands for that work.
 - overhead: kernels (ops per block x the profile's launch latency) and one Ray call each.
 - boundary: the merged vision tokens [S*P/4, out_hidden] cross to the text pool and their gradient comes
   back: device -> host -> object store -> host -> device, both ways.
@@ -38,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dhp.models.hardware import Profile
-from dhp.models.memory_plan import held_numel, meta_build
+from dhp.models.memory_plan import held_numel, meta_build, text_activations
 
 VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attention, proj, MLP, residuals)
 TEXT_LAYER_OPS = 36  # per decoder layer forward (fp32 RMSNorms are several kernels each)
@@ -110,32 +115,41 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
     full = len(vc.fullatt_block_indexes)
     width = vc.hidden_size * (share if layout.name == "tensor" else 1.0)  # TP: narrower matmuls
     linear = flops.vision_linear_flops_per_patch(vc) * p * share / prof.matmul_rate(width)
+    head_dim = vc.hidden_size // vc.num_heads
     window = 4 * vc.hidden_size * p * min(w.image_patches, _window_patches(vc)) * (vc.depth - full)
-    window_s = window * share / prof.rate("window_attention")
-    full_s = 4 * vc.hidden_size * p * w.image_patches * full * share / prof.rate("attention")
+    window_s = window * share / prof.attention_rate("window_attention", head_dim)
+    full_s = 4 * vc.hidden_size * p * w.image_patches * full * share / prof.attention_rate("attention", head_dim)
     shape = VitShape.of(vc.to_dict())
     comm_bytes = layout.vit_comm_bytes(shape, p, b)
     collective = "all_to_all" if layout.name == "sequence" else "all_reduce"
-    per_block_colls = {"sequence": 4 * full / vc.depth, "tensor": 2}.get(layout.name, 0) * (layout.degree > 1)
-    comm_s = comm_bytes / prof.comm_rate(collective, _nodes_spanned(layout.degree, prof))
-    comm_lat = per_block_colls * vc.depth * prof.collective_latency_s
+    count = {"sequence": 4 * full, "tensor": 2 * vc.depth}.get(layout.name, 0) * (layout.degree > 1)  # each way
+    comm = 0.0  # seconds of one direction's collectives: `count` of the average message
+    if count:
+        n = layout.degree
+        tensor = comm_bytes / (2 * count) / ((2 if collective == "all_reduce" else 1) * (n - 1) / n)
+        comm = count * prof.collective_s(collective, tensor, n, _nodes_spanned(n, prof))
     recompute = _recomputed_share(s, vc.depth)
     ops = VIT_BLOCK_OPS * vc.depth * prof.op_latency_s
     fwd, bwd = CallCost(), CallCost()
     for part, sec in (("linear", linear), ("window_attention", window_s), ("full_attention", full_s)):
         fwd.add(part, sec)
-        bwd.add(part, 2 * sec)
+        bwd.add(part, (2 if part == "linear" else prof.attention_backward_ratio) * sec)
         bwd.add("recompute", recompute * sec)
-    fwd.add("collectives", comm_s / 2 + comm_lat)
-    bwd.add("collectives", comm_s / 2 + comm_lat)
-    bwd.add("recompute", recompute * (comm_s / 2 + comm_lat))
+    fwd.add("collectives", comm)
+    bwd.add("collectives", comm)
+    bwd.add("recompute", recompute * comm)
     fwd.add("kernels", ops)
     bwd.add("kernels", ops * (BACKWARD_OPS + recompute))
+    if prof.memory_passes:
+        traffic = layout.vit_activation_bytes(shape, p, b) / (prof.memory_gbps * 1e9)
+        fwd.add("memory", traffic)
+        bwd.add("memory", (prof.memory_passes - 1) * traffic + _grad_accumulate_s(layout, mc, prof, "vision", cfg))
+        bwd.add("recompute", recompute * traffic)
     if layout.spans_pool:  # ZeRO-3 gathers each unit forward and backward, reduce-scatters its gradients
         rate = prof.comm_rate("all_gather", _nodes_spanned(layout.num_actors, prof))
         gather = layout.vit_grad_sync_bytes(shape, b) / rate
-        _overlap(fwd, gather / 3)
-        _overlap(bwd, 2 * gather / 3)
+        _overlap(fwd, gather / 3, prof)
+        _overlap(bwd, 2 * gather / 3, prof)
     boundary = _boundary_s(cfg, mc, prof, p // 4)
     fwd.add("boundary", boundary)
     bwd.add("boundary", boundary)
@@ -155,35 +169,53 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
     samples = samples_per_microbatch(cfg, w)
     length, layers = w.sample_tokens, tc.num_hidden_layers
     tokens = length * samples
-    linear = flops.text_linear_flops_per_token(tc) * tokens * share / prof.rate("matmul")
-    q_width = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
-    attention = 0.5 * 4 * q_width * layers * length * length * samples * share / prof.rate("attention")
-    head = flops.lm_head_flops_per_token(tc) * w.text_tokens * samples * share / prof.rate("matmul")
+    width = tc.hidden_size * (share if layout.name == "tensor" else 1.0)  # TP: narrower matmuls
+    linear = flops.text_linear_flops_per_token(tc) * tokens * share / prof.matmul_rate(width)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    causal = 0.5 * 4 * tc.num_attention_heads * head_dim * layers * length * length * samples * share
+    attention = causal / prof.attention_rate("causal_attention", head_dim)
+    head = flops.lm_head_flops_per_token(tc) * w.text_tokens * samples * share / prof.matmul_rate(tc.hidden_size)
     recompute = _recomputed_share(s, layers)
     cost = CallCost()
     for part, sec in (("linear", linear), ("attention", attention), ("lm_head", head)):
-        cost.add(part, 3 * sec)
+        cost.add(part, (3 if part != "attention" else 1 + prof.attention_backward_ratio) * sec)
     cost.add("recompute", recompute * (linear + attention))
     if layout.name == "tensor" and layout.degree > 1:
+        # [L, H] all-reduces: 2 per layer forward (o, down) and 2 backward (in front of qkv, gate/up), the
+        # vocab-parallel embedding's output and the gradient in front of lm_head; recomputed layers repeat
+        # their forward's 2
         t = layout.degree
-        per_allreduce = 2 * (t - 1) / t * tokens * tc.hidden_size * b
-        count = layers * (4 + 2 * recompute)
-        rate = prof.comm_rate("all_reduce", _nodes_spanned(t, prof))
-        cost.add("collectives", 4 * layers * (per_allreduce / rate + prof.collective_latency_s))
-        cost.add("recompute", (count - 4 * layers) * (per_allreduce / rate + prof.collective_latency_s))
+        one = prof.collective_s("all_reduce", tokens * tc.hidden_size * b, t, _nodes_spanned(t, prof))
+        cost.add("collectives", (4 * layers + 2) * one)
+        cost.add("recompute", 2 * layers * recompute * one)
     cost.add("kernels", TEXT_LAYER_OPS * layers * (1 + BACKWARD_OPS + recompute) * prof.op_latency_s)
+    if prof.memory_passes:
+        traffic = text_activations(tc, tokens, layout.degree if layout.name == "tensor" else 1, b)[0]
+        traffic /= prof.memory_gbps * 1e9
+        cost.add("memory", prof.memory_passes * traffic + _grad_accumulate_s(layout, mc, prof, "text", cfg))
+        cost.add("recompute", recompute * traffic)
     if layout.spans_pool:
         n = layout.num_actors
         params = _numel(mc, "text")
         gather = 3 * (n - 1) / n * params * b / prof.comm_rate("all_gather", _nodes_spanned(n, prof))
-        _overlap(cost, gather)
+        _overlap(cost, gather, prof)
     cost.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
     return cost
 
 
-def _overlap(cost: CallCost, comm_s: float) -> None:
-    """Prefetched collectives hide under compute: only what exceeds it shows."""
-    cost.add("collectives", max(0.0, comm_s - cost.total))
+def _grad_accumulate_s(layout: Any, mc: Any, prof: Profile, stage: str, cfg: Any) -> float:
+    """Every backward adds a gradient as large as the rank's parameters into `.grad` (read both, write one;
+    the embedding's is dense: its whole table, whatever the tokens)."""
+    from dhp.models.precision import precision_of
+
+    held = held_numel(layout, _shapes(mc, stage), 0)
+    return 3 * held * precision_of(cfg.model.precision).grad_bytes / (prof.memory_gbps * 1e9)
+
+
+def _overlap(cost: CallCost, comm_s: float, prof: Profile) -> None:
+    """Prefetched collectives hide under compute on a GPU (their own stream): only what exceeds it shows. On
+    a CPU, gloo's copies and reductions take the same cores the compute needs: nothing hides."""
+    cost.add("collectives", comm_s if prof.kind == "cpu" else max(0.0, comm_s - cost.total))
 
 
 def _nodes_spanned(group: int, prof: Profile) -> int:
@@ -220,7 +252,7 @@ def step_extras(cfg: Any, mc: Any, prof: Profile, stage: str) -> dict[str, float
         sent = (copies - 1) / copies * held * (2 * prec.grad_bytes + prec.param_bytes)
         sync = sent / prof.comm_rate("all_reduce", _nodes_spanned(layout.num_actors, prof))
     stepped = held * layout.optimizer_fraction
-    adam = stepped * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes) / (prof.memory_gbps * 1e9)
+    adam = prof.optimizer_s(stepped, 2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)
     return {"grad_sync": sync, "optimizer": adam}
 
 

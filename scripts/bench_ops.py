@@ -22,6 +22,18 @@ Fields:
                        fp32; GPU L=8192, 16 heads of 128, bf16)
     window_attention_tflops  the same L as L/64 windows of 64 tokens ([L/64, heads, 64, head_dim]),
                        4*64*64*head_dim*heads flops per window
+    attention_head_dim the head_dim of the two rates above (CPU 32, GPU 128)
+    attention_by_head_dim  [[head_dim, TFLOP/s], ...]: full attention at the same L and heads by head_dim (CPU
+                       16..64, GPU 64, 128); a model scales attention rates by curve(its head_dim) / curve(the above)
+    causal_attention_tflops  causal SDPA forward (is_causal) at the same shape, counting the half of the score
+                       work a causal kernel needs (2*L*L*head_dim*heads): below attention_tflops where the kernel
+                       does not skip the masked half
+    attention_backward_ratio  time of SDPA's backward / its forward (full attention, same shape)
+    optimizer_s_per_param  seconds per parameter of one torch.optim.AdamW step as the stage workers run it
+                       (gradient scaled by the clip coefficient, step, grads set to None), fp32 states, on
+                       2 tensors of 8 M (CPU: beyond its caches) / 16 of 4 M (GPU) parameters
+    memory_passes      4, not measured: how a model counts elementwise work from this profile (write, read, and the
+                       gradient's write and read of every activation kept for backward, at memory_gbps)
     op_latency_s       seconds per tiny op (`x.add_(1)` on 16 elements): the per-kernel dispatch/launch cost
     memory_gbps        `dst.copy_(src)` on a large tensor, counting read + write (2 x size) bytes per copy
     all_reduce_gbps    bus bandwidth per rank on 2 processes: bytes ONE rank sends / time; for S bytes on n ranks
@@ -29,6 +41,10 @@ Fields:
     all_gather_gbps    (see all_reduce_gbps)
     all_to_all_gbps    (see all_reduce_gbps)
     collective_latency_s  an all_reduce of 4 elements (median)
+    all_reduce_by_size, all_gather_by_size, all_to_all_by_size  [[tensor bytes, seconds], ...]: one collective
+                       of that tensor (all_gather: the output) on 2 ranks, median, CPU 4 KiB..8 MiB, GPU 64 KiB..
+                       128 MiB; a mid-size message costs more than latency + bytes / bandwidth (gloo: ~2 ms at
+                       100 KiB), and a model reads its message sizes from these
     h2d_gbps           GPU: pinned host -> device copy of 256 MiB; CPU: memory_gbps / 2 (a host copy, per direction)
     object_store_gbps  bytes / (ray.put in the driver + ray.get in an actor) of a float32 tensor
     call_latency_s     round trip of `ray.get(actor.noop.remote())` (median)
@@ -60,13 +76,19 @@ CPU_MATMUL_SIZES = (64, 128, 256, 512)
 GPU_MATMUL_SIZES = (1024, 4096, 8192)
 WINDOW = 64  # tokens per attention window (the vision encoder's window: 8 x 8 merged patches)
 COMM_RANKS = 2
+MEMORY_PASSES = 4  # elementwise traffic per kept activation byte: written, read, its gradient written and read
+CPU_COLLECTIVE_SIZES = tuple(2**k for k in (12, 15, 17, 19, 21, 23))  # bytes of the tensor: 4 KiB .. 8 MiB
+GPU_COLLECTIVE_SIZES = tuple(2**k for k in (16, 20, 24, 27))  # 64 KiB .. 128 MiB
 
 FIELDS = (  # (key, unit) in the order the table prints them
     ("name", ""), ("kind", ""), ("device", ""), ("threads", ""), ("devices_per_node", ""), ("memory_gib", "GiB"),
     ("matmul_tflops", "TFLOP/s"), ("matmul_by_size", "[n, TFLOP/s]"), ("attention_tflops", "TFLOP/s"),
-    ("window_attention_tflops", "TFLOP/s"), ("op_latency_s", "s"), ("memory_gbps", "GB/s"),
+    ("window_attention_tflops", "TFLOP/s"), ("attention_head_dim", ""), ("attention_by_head_dim", "[d, TFLOP/s]"),
+    ("causal_attention_tflops", "TFLOP/s"), ("attention_backward_ratio", "x"), ("optimizer_s_per_param", "s"),
+    ("memory_passes", ""), ("op_latency_s", "s"), ("memory_gbps", "GB/s"),
     ("all_reduce_gbps", "GB/s"), ("all_gather_gbps", "GB/s"), ("all_to_all_gbps", "GB/s"),
-    ("collective_latency_s", "s"), ("h2d_gbps", "GB/s"), ("object_store_gbps", "GB/s"), ("call_latency_s", "s"),
+    ("collective_latency_s", "s"), ("all_reduce_by_size", "[B, s]"), ("all_gather_by_size", "[B, s]"),
+    ("all_to_all_by_size", "[B, s]"), ("h2d_gbps", "GB/s"), ("object_store_gbps", "GB/s"), ("call_latency_s", "s"),
     ("efficiency", ""), ("notes", ""), ("quick", ""), ("torch", ""),
 )
 
@@ -126,20 +148,61 @@ def matmul_by_size(device: str, dtype: Any, sizes: tuple[int, ...], seconds: flo
     return rows
 
 
-def attention_tflops(device: str, dtype: Any, length: int, heads: int, head_dim: int, seconds: float,
-                     window: int | None = None) -> float:
-    """SDPA forward TFLOP/s over `length` tokens: one full sequence, or length/window windows as a batch."""
+def _qkv(device: str, dtype: Any, shape: tuple[int, ...], grad: bool = False) -> tuple[Any, Any, Any]:
     import torch
-    import torch.nn.functional as F
 
-    span = window or length
-    shape = (length // span, heads, span, head_dim)
     # Not a constant: a constant query gives every key the same score, which no real attention sees.
     # A fixed arithmetic pattern keeps the run free of RNG state.
     q = (torch.arange(math.prod(shape), device=device, dtype=torch.float32) % 7 / 7).reshape(shape).to(dtype)
     k, v = q.flip(-1).contiguous(), q.flip(-2).contiguous()
-    flops = shape[0] * 4 * span * span * head_dim * heads
-    return best_rate(lambda: F.scaled_dot_product_attention(q, k, v), flops / 1e12, seconds, _sync_for(device))
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def attention_tflops(device: str, dtype: Any, length: int, heads: int, head_dim: int, seconds: float,
+                     window: int | None = None, causal: bool = False) -> float:
+    """SDPA forward TFLOP/s over `length` tokens: one full sequence, or length/window windows as a batch;
+    `causal` counts half the score work (what a causal kernel needs)."""
+    import torch.nn.functional as F
+
+    span = window or length
+    shape = (length // span, heads, span, head_dim)
+    q, k, v = _qkv(device, dtype, shape)
+    flops = shape[0] * 4 * span * span * head_dim * heads / (2 if causal else 1)
+    return best_rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), flops / 1e12, seconds,
+                     _sync_for(device))
+
+
+def attention_backward_ratio(device: str, dtype: Any, length: int, heads: int, head_dim: int, seconds: float) -> float:
+    """(forward + backward) / forward - 1 of full SDPA: the backward's cost in forwards."""
+    import torch.nn.functional as F
+
+    q, k, v = _qkv(device, dtype, (1, heads, length, head_dim), grad=True)
+    sync = _sync_for(device)
+    forward = best_rate(lambda: F.scaled_dot_product_attention(q, k, v).detach(), 1.0, seconds, sync)
+    both = best_rate(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward(), 1.0, seconds, sync)
+    return forward / both - 1
+
+
+def optimizer_s_per_param(device: str, seconds: float) -> float:
+    """One AdamW step as `StageWorker.optimizer_step` runs it (scale by the clip coefficient, step, zero), per
+    parameter; gradients re-attached each time (set_to_none frees them)."""
+    import torch
+
+    # Tensors larger than a CPU's caches, as a model's largest (the embedding) are: AdamW's passes then
+    # stream from memory each time, as they do in training.
+    numel, count = (4 * MiB, 16) if device.startswith("cuda") else (8 * MiB, 2)
+    params = [torch.full((numel,), 0.5, device=device, requires_grad=True) for _ in range(count)]
+    grads = [torch.full_like(p, 1e-3) for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+            g.mul_(1.0 - 1e-7)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return 1 / best_rate(step, count * numel, seconds, _sync_for(device))
 
 
 def op_latency_s(device: str, quick: bool) -> float:
@@ -237,6 +300,17 @@ def _collectives(rank: int, ranks: int, device: str, nbytes: int, quick: bool) -
         sync()
         samples.append(time.perf_counter() - start)
     result["collective_latency_s"] = statistics.median(samples)
+    sizes = (GPU_COLLECTIVE_SIZES if device.startswith("cuda") else CPU_COLLECTIVE_SIZES)
+    ops = {"all_reduce": lambda t, o: dist.all_reduce(t), "all_to_all": lambda t, o: dist.all_to_all_single(o, t),
+           "all_gather": lambda t, o: gather(o, t[: t.numel() // ranks])}
+    for kind, op in ops.items():  # the time of one collective by tensor size: small messages pay more than latency
+        curve = []
+        for size in sizes:
+            t = x[: size // x.element_size()]
+            o = out[: t.numel()]
+            curve.append([size, median_latency(lambda t=t, o=o, op=op: op(t, o), reps=5 if quick else 10,
+                                               batches=3 if quick else 7, sync=sync)])
+        result[f"{kind}_by_size"] = curve
     result["notes"] = notes
     return result
 
@@ -375,6 +449,11 @@ def measure(quick: bool) -> dict[str, Any]:
         length, heads, head_dim = (8192, 16, 128) if gpu else (1024, 4, 32)
         attention = attention_tflops(device, dtype, length, heads, head_dim, seconds)
         window = attention_tflops(device, dtype, length, heads, head_dim, seconds, window=WINDOW)
+        by_head_dim = [[d, attention_tflops(device, dtype, length, heads, d, seconds)] for d in
+                       ((64, 128) if gpu else (16, 32, 64))]
+        causal = attention_tflops(device, dtype, length, heads, head_dim, seconds, causal=True)
+        backward = attention_backward_ratio(device, dtype, length, heads, head_dim, seconds)
+        optimizer = optimizer_s_per_param(device, seconds)
         latency = op_latency_s(device, quick)
         copy_bytes = (256 if quick else 1024) * MiB if gpu else (32 if quick else 256) * MiB
         memory = copy_gbps(device, copy_bytes, seconds)
@@ -398,6 +477,12 @@ def measure(quick: bool) -> dict[str, Any]:
         "matmul_by_size": by_size,
         "attention_tflops": attention,
         "window_attention_tflops": window,
+        "attention_head_dim": head_dim,
+        "attention_by_head_dim": by_head_dim,
+        "causal_attention_tflops": causal,
+        "attention_backward_ratio": backward,
+        "optimizer_s_per_param": optimizer,
+        "memory_passes": MEMORY_PASSES,
         "op_latency_s": latency,
         "memory_gbps": memory,
         "h2d_gbps": h2d,
@@ -406,7 +491,8 @@ def measure(quick: bool) -> dict[str, Any]:
         "quick": quick,
         "torch": torch.__version__,
     }
-    for key in ("all_reduce_gbps", "all_gather_gbps", "all_to_all_gbps", "collective_latency_s"):
+    for key in ("all_reduce_gbps", "all_gather_gbps", "all_to_all_gbps", "collective_latency_s",
+                "all_reduce_by_size", "all_gather_by_size", "all_to_all_by_size"):
         profile[key] = comm.get(key)
     for key in ("object_store_gbps", "call_latency_s"):
         profile[key] = store.get(key)

@@ -17,6 +17,7 @@
     dhp bench memory --json PATH [--quick] [--no-measure]     (bytes per rank by shape/layout/precision; build RSS)
     dhp bench checkpointing [--json PATH] [--quick]           (activation checkpointing: bytes saved, time cost)
     dhp bench ops [--json PATH] [--quick]                     (op / collective / transfer rates: a time-model profile)
+    dhp bench time-model [--json PATH] [--profile P] [--quick]  (the plan's step time against measured steps)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -114,10 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
     from dhp.scripts.bench_memory import add_parser as add_memory
     from dhp.scripts.bench_ops import add_parser as add_ops
+    from dhp.scripts.bench_time_model import add_parser as add_time_model
 
     add_memory(bench)
     add_checkpointing(bench)
     add_ops(bench)
+    add_time_model(bench)
     return p
 
 
@@ -205,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_ops import main as bench_ops
 
             return bench_ops(args)
+        elif args.command == "bench" and args.bench_command == "time-model":
+            from dhp.scripts.bench_time_model import main as bench_time_model
+
+            return bench_time_model(args)
         elif args.command == "bench" and args.bench_command == "data":
             from dhp.scripts.bench_data import main as bench_data
 

@@ -10,7 +10,8 @@ import pytest
 
 from dhp.scripts.bench_ops import CPU_MATMUL_SIZES, FIELDS, main
 
-RATES = ("matmul_tflops", "attention_tflops", "window_attention_tflops", "op_latency_s", "memory_gbps",
+RATES = ("matmul_tflops", "attention_tflops", "window_attention_tflops", "causal_attention_tflops",
+         "attention_backward_ratio", "optimizer_s_per_param", "op_latency_s", "memory_gbps",
          "all_reduce_gbps", "all_gather_gbps", "all_to_all_gbps", "collective_latency_s", "h2d_gbps",
          "object_store_gbps", "call_latency_s")
 
@@ -40,6 +41,8 @@ def test_matmul_by_size_is_sorted_and_ends_with_the_headline(profile):
     assert sizes == sorted(sizes) == list(CPU_MATMUL_SIZES)
     assert all(math.isfinite(r) and r > 0 for _, r in profile["matmul_by_size"])
     assert profile["matmul_tflops"] == profile["matmul_by_size"][-1][1]
+    dims = [d for d, _ in profile["attention_by_head_dim"]]
+    assert dims == sorted(dims) and profile["attention_head_dim"] in dims
 
 
 def test_unwritable_json_path_fails_before_measuring(tmp_path):

@@ -1,0 +1,65 @@
+"""`dhp bench time-model` runs and reports, and the profile curves it relies on read as documented.
+
+No wall-clock assertion: the bench's ratios are what docs/time_model.md reports; here only that it measures
+and predicts every configuration it is given, and that the profile's measured curves (collectives by size,
+attention by head_dim, causal rate) are read the way models/hardware.py says.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from dhp.models.hardware import datasheet, profile
+from dhp.scripts.bench_time_model import CONFIGS, OVERSUBSCRIBED, run, table
+
+CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "ops_profile_cpu.json"
+
+
+def test_bench_measures_and_predicts_each_configuration(ray_session):
+    chosen = {k: CONFIGS[k] for k in ("none / none, serial", "none / none, pipelined")}
+    result = run(str(CPU_PROFILE), quick=True, steps=1, configs=chosen)
+    assert [r["config"] for r in result["rows"]] == list(chosen)
+    for r in result["rows"]:
+        assert r["checked"] and r["measured_s"] > 0 and r["predicted_s"] > 0
+        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+        assert {"vision.forward", "vision.backward", "text.forward_backward", "text.optimizer_step"} <= set(
+            r["measured_calls_s"])
+        assert r["parts_s"]["vision.memory"] > 0 and r["parts_s"]["text.memory"] > 0
+    serial, piped = result["rows"]
+    assert piped["predicted_s"] < serial["predicted_s"]  # one actor per pool: the plan overlaps them
+    assert "| none / none, serial |" in table(result)
+    assert set(OVERSUBSCRIBED).isdisjoint(CONFIGS)
+
+
+def test_collective_curve_is_read_between_and_beyond_its_points():
+    prof = profile(str(CPU_PROFILE))
+    pts = prof.all_reduce_by_size
+    assert len(pts) >= 4
+    (b0, t0), (b1, t1) = pts[1], pts[2]
+    assert prof.collective_s("all_reduce", b0, 2) == pytest.approx(t0)
+    mid = prof.collective_s("all_reduce", math.sqrt(b0 * b1), 2)
+    assert min(t0, t1) <= mid <= max(t0, t1)
+    last_b, last_t = pts[-1]
+    assert prof.collective_s("all_reduce", 4 * last_b, 2) == pytest.approx(4 * last_t)  # bandwidth-bound past it
+    assert prof.collective_s("all_reduce", b0, 4) == pytest.approx(t0 * 1.5)  # (n-1)/n of the bytes per rank
+    assert prof.collective_s("all_reduce", b0, 1) == 0.0
+    gpu = datasheet("h100-sxm")  # no curve: latency + bytes / bandwidth
+    nbytes = 2**26
+    assert gpu.collective_s("all_reduce", nbytes, 8) == pytest.approx(
+        gpu.collective_latency_s + 2 * 7 / 8 * nbytes / gpu.comm_rate("all_reduce"))
+
+
+def test_attention_rate_follows_the_head_dim_curve_and_the_causal_rate():
+    prof = profile(str(CPU_PROFILE))
+    ref = prof.attention_head_dim
+    assert prof.attention_rate("attention", ref) == pytest.approx(prof.rate("attention"))
+    curve = dict((int(d), r) for d, r in prof.attention_by_head_dim)
+    small = min(curve)
+    assert prof.attention_rate("attention", small) == pytest.approx(prof.rate("attention") * curve[small] / curve[ref])
+    assert prof.attention_rate("causal_attention", ref) == pytest.approx(prof.causal_attention_tflops * 1e12)
+    gpu = datasheet("h100-sxm")  # datasheet: a causal kernel skips the masked half, no head_dim curve
+    assert gpu.attention_rate("causal_attention", 64) == gpu.attention_rate("attention", 128) == gpu.rate("attention")
+    assert gpu.attention_backward_ratio == 2.0 and gpu.optimizer_s_per_param is None
