@@ -78,9 +78,10 @@ def _global_batches(sample: dict, cfg: Any, model_config: Any, per_replica: int,
 
     from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
     from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
+    from dhp.models.layouts import stage_layout
 
     vision, text = vision_inputs([sample]), text_inputs([sample], pad_id=151643)
-    sp = cfg.vision.degree if cfg.vision.parallelism == "sequence" else 0
+    sp = stage_layout(cfg, "vision", model_config).loader_shards  # what the trainer gives its loaders
     parts = [ray.put(p) for p in split_for_ranks(vision, text, sp, model_config)]
     mb = MicroBatch(parts, ray.put(text), meta_of(vision, text))
     return [GlobalBatch([mb] * per_replica, epoch=0) for _ in range(replicas)]
