@@ -11,12 +11,8 @@ must be within 10 % of each: a change to the model or the code that the plan doe
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import ray
-import torch
-from PIL import Image
 
 from dhp.dataflow.loader import GlobalBatch
 from dhp.models.layouts import stage_layout
@@ -27,29 +23,14 @@ from dhp.stages.trainer import Trainer
 from tests.test_parity import BASE, LAYOUT_IDS, LAYOUTS, _microbatch
 
 TOLERANCE = 0.10
-IMAGE = (896, 448)  # pixels: 64 x 32 patches of 14, 2 048 patches, 512 merged tokens
 
 
 @pytest.fixture(scope="module")
 def deep_setup(tmp_path_factory):
-    """A seeded tiny-but-deep checkpoint and one preprocessed one-image sample."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """A seeded tiny-but-deep checkpoint and one preprocessed one-image sample (`dhp bench time-model`'s)."""
+    from dhp.scripts.bench_time_model import IMAGE, deep_sample  # 2 048 patches, 512 merged tokens
 
-    from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
-    from dhp.scripts.bench_checkpointing import deep_config
-
-    config = deep_config(text_layers=12, vision_depth=16)
-    torch.manual_seed(0)
-    ckpt = tmp_path_factory.mktemp("deep_ckpt")
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(ckpt)
-    data = tmp_path_factory.mktemp("deep_data")
-    rng = torch.Generator().manual_seed(0)
-    pixels = torch.randint(0, 256, (IMAGE[1], IMAGE[0], 3), generator=rng, dtype=torch.uint8).numpy()
-    Image.fromarray(pixels).save(data / "a.png")
-    record = {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nDescribe it."},
-                                                  {"from": "gpt", "value": "Noise in many colours."}]}
-    settings = PreprocessSettings(str(data), min_pixels=56 * 56, max_pixels=IMAGE[0] * IMAGE[1], max_seq_len=1024)
-    sample = decode_sample(Preprocessor(settings, config)({"source": "t", "record": json.dumps(record)})["sample"])
+    config, ckpt, sample = deep_sample(tmp_path_factory.mktemp("deep"))
     assert int(sample["image_grid_thw"].prod()) == IMAGE[0] * IMAGE[1] // 14**2
     return config, ckpt, sample
 
