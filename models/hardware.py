@@ -85,18 +85,13 @@ class Profile:
     def matmul_rate(self, n: float) -> float:
         """FLOP/s of a matmul whose smallest dimension is `n`: the measured curve, linear in log n between
         its points, clamped at its ends; the large-matmul rate without a curve."""
-        import math
 
         pts = sorted(self.matmul_by_size)
         if not pts or n >= pts[-1][0]:
             return self.rate("matmul")
         if n <= pts[0][0]:
             return pts[0][1] * 1e12 * self.efficiency.get("matmul", 1.0) * min(1.0, n / pts[0][0])
-        for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
-            if n0 <= n <= n1:
-                f = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
-                return (r0 + f * (r1 - r0)) * 1e12 * self.efficiency.get("matmul", 1.0)
-        return self.rate("matmul")
+        return _loglinear(pts, n) * 1e12 * self.efficiency.get("matmul", 1.0)
 
     def optimizer_s(self, params: float, bytes_per_param: float) -> float:
         """Seconds of one AdamW step over `params` parameters: measured per parameter, else memory bound."""
@@ -119,11 +114,8 @@ class Profile:
             return self.collective_latency_s + sent / self.comm_rate(collective, nodes)
         if tensor_bytes >= pts[-1][0]:
             seconds = pts[-1][1] * tensor_bytes / pts[-1][0]
-        elif tensor_bytes <= pts[0][0]:
-            seconds = pts[0][1]
-        else:
-            logs = [[math.log(b), math.log(t)] for b, t in pts]
-            seconds = math.exp(_loglinear([[math.exp(b), t] for b, t in logs], tensor_bytes))
+        else:  # log seconds, linear in log bytes, clamped below the first point
+            seconds = math.exp(_loglinear([[b, math.log(t)] for b, t in pts], tensor_bytes))
         return seconds * share / 0.5
 
     def comm_rate(self, collective: str, nodes: int = 1) -> float:
