@@ -60,6 +60,12 @@ class Profile:
     all_gather_by_size: list[list[float]] = field(default_factory=list)
     all_to_all_by_size: list[list[float]] = field(default_factory=list)
     all_gather_gbps: float | None = None
+    # What sharding costs beyond its bytes (measured on gloo, scripts/bench_ops_sharded.py); None: the bytes'
+    # model (collectives by size, overlapped with compute on a GPU)
+    zero3_unit_s: list[float] | None = None  # [forward, backward] seconds per FSDP2 unit per call
+    zero3_s_per_byte: list[float] | None = None  # [forward, backward] seconds per byte of a unit's parameters
+    zero3_optimizer_s_per_tensor: float = 0.0  # AdamW on DTensors, beyond plain AdamW, per parameter tensor
+    zero1_step_s_per_tensor: float = 0.0  # ZeroRedundancyOptimizer's broadcasts, per parameter tensor
     efficiency: dict[str, float] = field(default_factory=lambda: {"matmul": 1.0, "attention": 1.0, "comm": 1.0})
     source: str = ""
 
@@ -179,7 +185,11 @@ def datasheet(name: str, **overrides: Any) -> Profile:
 
 def measured(path: str | Path, **overrides: Any) -> Profile:
     """The profile `dhp bench ops --json PATH` wrote."""
-    raw = json.loads(Path(path).read_text())
+    return from_measurement(json.loads(Path(path).read_text()), f"measured by dhp bench ops ({path})", **overrides)
+
+
+def from_measurement(raw: dict[str, Any], source: str, **overrides: Any) -> Profile:
+    """A `dhp bench ops` result (its JSON object) as a Profile."""
     h2d = raw.get("h2d_gbps") or raw["memory_gbps"] / 2
     fields = dict(
         name=raw["name"], kind=raw["kind"], devices_per_node=int(raw["devices_per_node"]),
@@ -197,7 +207,10 @@ def measured(path: str | Path, **overrides: Any) -> Profile:
         attention_backward_ratio=raw.get("attention_backward_ratio") or 2.0,
         optimizer_s_per_param=raw.get("optimizer_s_per_param"), memory_passes=int(raw.get("memory_passes", 4)),
         **{f"{k}_by_size": raw.get(f"{k}_by_size") or [] for k in ("all_reduce", "all_gather", "all_to_all")},
-        source=f"measured by dhp bench ops ({path})",
+        zero3_unit_s=raw.get("zero3_unit_s"), zero3_s_per_byte=raw.get("zero3_s_per_byte"),
+        zero3_optimizer_s_per_tensor=raw.get("zero3_optimizer_s_per_tensor") or 0.0,
+        zero1_step_s_per_tensor=raw.get("zero1_step_s_per_tensor") or 0.0,
+        source=source,
     )
     return _with(Profile(**fields), overrides)
 

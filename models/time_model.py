@@ -48,6 +48,9 @@ from dhp.models.memory_plan import held_numel, meta_build, text_activations
 VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attention, proj, MLP, residuals)
 TEXT_LAYER_OPS = 36  # per decoder layer forward (fp32 RMSNorms are several kernels each)
 BACKWARD_OPS = 2  # backward kernels per forward kernel
+# The parts a real module's speed stands behind (what `dhp bench ops` times on real stages, scripts/bench_ops_stages.py)
+COMPUTE_PARTS = ("linear", "window_attention", "full_attention", "attention", "lm_head", "kernels", "memory",
+                 "recompute")
 
 
 @dataclass
@@ -73,6 +76,16 @@ class CallCost:
     @property
     def total(self) -> float:
         return sum(self.parts.values())
+
+    @property
+    def compute(self) -> float:
+        return sum(v for k, v in self.parts.items() if k in COMPUTE_PARTS)
+
+    def scale_compute(self, efficiency: float) -> None:
+        """Divide the compute parts by a measured efficiency (predicted / measured on a real stage call)."""
+        for k in COMPUTE_PARTS:
+            if k in self.parts:
+                self.parts[k] /= efficiency
 
 
 def samples_per_microbatch(cfg: Any, w: Workload) -> int:
@@ -145,11 +158,13 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
         fwd.add("memory", traffic)
         bwd.add("memory", (prof.memory_passes - 1) * traffic + _grad_accumulate_s(layout, mc, prof, "vision", cfg))
         bwd.add("recompute", recompute * traffic)
+    fwd.scale_compute(prof.efficiency.get("vision_forward", 1.0))
+    bwd.scale_compute(prof.efficiency.get("vision_backward", 1.0))
     if layout.spans_pool:  # ZeRO-3 gathers each unit forward and backward, reduce-scatters its gradients
         rate = prof.comm_rate("all_gather", _nodes_spanned(layout.num_actors, prof))
-        gather = layout.vit_grad_sync_bytes(shape, b) / rate
-        _overlap(fwd, gather / 3, prof)
-        _overlap(bwd, 2 * gather / 3, prof)
+        f, g = _zero3_s(prof, cfg, mc, "vision", layout.vit_grad_sync_bytes(shape, b) / rate)
+        _overlap(fwd, f, prof)
+        _overlap(bwd, g, prof)
     boundary = _boundary_s(cfg, mc, prof, p // 4)
     fwd.add("boundary", boundary)
     bwd.add("boundary", boundary)
@@ -194,11 +209,12 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
         traffic /= prof.memory_gbps * 1e9
         cost.add("memory", prof.memory_passes * traffic + _grad_accumulate_s(layout, mc, prof, "text", cfg))
         cost.add("recompute", recompute * traffic)
+    cost.scale_compute(prof.efficiency.get("text", 1.0))
     if layout.spans_pool:
         n = layout.num_actors
         params = _numel(mc, "text")
         gather = 3 * (n - 1) / n * params * b / prof.comm_rate("all_gather", _nodes_spanned(n, prof))
-        _overlap(cost, gather, prof)
+        _overlap(cost, sum(_zero3_s(prof, cfg, mc, "text", gather)), prof)
     cost.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
     return cost
 
@@ -210,6 +226,21 @@ def _grad_accumulate_s(layout: Any, mc: Any, prof: Profile, stage: str, cfg: Any
 
     held = held_numel(layout, _shapes(mc, stage), 0)
     return 3 * held * precision_of(cfg.model.precision).grad_bytes / (prof.memory_gbps * 1e9)
+
+
+def _zero3_s(prof: Profile, cfg: Any, mc: Any, stage: str, bytes_model_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of ZeRO-3's work on one call: where the profile measured FSDP2 (gloo), per
+    unit (the stage's shard units and the root) and per parameter byte; else the bytes' model: a third (the
+    forward's all-gathers) and two thirds (the backward's all-gathers and reduce-scatters) of `bytes_model_s`."""
+    from dhp.models.precision import precision_of
+
+    if not (prof.zero3_unit_s and prof.zero3_s_per_byte):
+        return bytes_model_s / 3, 2 * bytes_model_s / 3
+    vc, tc = mc.vision_config, mc.text_config
+    units = (vc.depth + 1 if stage == "vision" else tc.num_hidden_layers) + 1  # blocks (+ merger), the root
+    nbytes = _numel(mc, stage) * precision_of(cfg.model.precision).param_bytes
+    f, g = (u * units + per_byte * nbytes for u, per_byte in zip(prof.zero3_unit_s, prof.zero3_s_per_byte))
+    return f, g
 
 
 def _overlap(cost: CallCost, comm_s: float, prof: Profile) -> None:
@@ -253,6 +284,11 @@ def step_extras(cfg: Any, mc: Any, prof: Profile, stage: str) -> dict[str, float
         sync = sent / prof.comm_rate("all_reduce", _nodes_spanned(layout.num_actors, prof))
     stepped = held * layout.optimizer_fraction
     adam = prof.optimizer_s(stepped, 2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)
+    tensors = len(shapes)  # DTensor dispatch (ZeRO-3) and ZeRO-1's broadcasts cost per parameter tensor
+    if layout.spans_pool:
+        adam += tensors * prof.zero3_optimizer_s_per_tensor
+    elif layout.optimizer_fraction < 1:
+        adam += tensors * prof.zero1_step_s_per_tensor
     return {"grad_sync": sync, "optimizer": adam}
 
 

@@ -30,8 +30,9 @@ Fields:
                        does not skip the masked half
     attention_backward_ratio  time of SDPA's backward / its forward (full attention, same shape)
     optimizer_s_per_param  seconds per parameter of one torch.optim.AdamW step as the stage workers run it
-                       (gradient scaled by the clip coefficient, step, grads set to None), fp32 states, on
-                       2 tensors of 8 M (CPU: beyond its caches) / 16 of 4 M (GPU) parameters
+                       (gradient scaled by the clip coefficient, step, grads set to None), fp32 states; CPU: the
+                       median step of both reference stages after real backward passes (bench_ops_stages.py);
+                       GPU: 16 tensors of 4 M parameters
     memory_passes      4, not measured: how a model counts elementwise work from this profile (write, read, and the
                        gradient's write and read of every activation kept for backward, at memory_gbps)
     op_latency_s       seconds per tiny op (`x.add_(1)` on 16 elements): the per-kernel dispatch/launch cost
@@ -45,10 +46,15 @@ Fields:
                        of that tensor (all_gather: the output) on 2 ranks, median, CPU 4 KiB..8 MiB, GPU 64 KiB..
                        128 MiB; a mid-size message costs more than latency + bytes / bandwidth (gloo: ~2 ms at
                        100 KiB), and a model reads its message sizes from these
+    zero3_unit_s, zero3_s_per_byte, zero3_optimizer_s_per_tensor, zero1_step_s_per_tensor  what FSDP2 and
+                       ZeRO-1 cost beyond their collectives' bytes, on 2 gloo ranks (scripts/bench_ops_sharded.py);
+                       null on a GPU
     h2d_gbps           GPU: pinned host -> device copy of 256 MiB; CPU: memory_gbps / 2 (a host copy, per direction)
     object_store_gbps  bytes / (ray.put in the driver + ray.get in an actor) of a float32 tensor
     call_latency_s     round trip of `ray.get(actor.noop.remote())` (median)
-    efficiency         {"matmul": 1.0, "attention": 1.0, "comm": 1.0}: a measured profile needs no fitted factor
+    efficiency         {"matmul": 1.0, "attention": 1.0, "comm": 1.0}: a measured profile needs no fitted factor;
+                       CPU: also vision_forward, vision_backward, text: the op model's compute for a reference
+                       stage's call / the call measured on transformers' modules (scripts/bench_ops_stages.py)
     notes              what was not measured and why, and how a field was derived
     quick              whether --quick sizes were used
     torch              torch.__version__
@@ -79,6 +85,7 @@ COMM_RANKS = 2
 MEMORY_PASSES = 4  # elementwise traffic per kept activation byte: written, read, its gradient written and read
 CPU_COLLECTIVE_SIZES = tuple(2**k for k in (12, 15, 17, 19, 21, 23))  # bytes of the tensor: 4 KiB .. 8 MiB
 GPU_COLLECTIVE_SIZES = tuple(2**k for k in (16, 20, 24, 27))  # 64 KiB .. 128 MiB
+SHARDED_FIELDS = ("zero3_unit_s", "zero3_s_per_byte", "zero3_optimizer_s_per_tensor", "zero1_step_s_per_tensor")
 
 FIELDS = (  # (key, unit) in the order the table prints them
     ("name", ""), ("kind", ""), ("device", ""), ("threads", ""), ("devices_per_node", ""), ("memory_gib", "GiB"),
@@ -88,7 +95,8 @@ FIELDS = (  # (key, unit) in the order the table prints them
     ("memory_passes", ""), ("op_latency_s", "s"), ("memory_gbps", "GB/s"),
     ("all_reduce_gbps", "GB/s"), ("all_gather_gbps", "GB/s"), ("all_to_all_gbps", "GB/s"),
     ("collective_latency_s", "s"), ("all_reduce_by_size", "[B, s]"), ("all_gather_by_size", "[B, s]"),
-    ("all_to_all_by_size", "[B, s]"), ("h2d_gbps", "GB/s"), ("object_store_gbps", "GB/s"), ("call_latency_s", "s"),
+    ("all_to_all_by_size", "[B, s]"), ("zero3_unit_s", "[fwd, bwd] s"), ("zero3_s_per_byte", "[fwd, bwd] s"),
+    ("zero3_optimizer_s_per_tensor", "s"), ("zero1_step_s_per_tensor", "s"), ("h2d_gbps", "GB/s"), ("object_store_gbps", "GB/s"), ("call_latency_s", "s"),
     ("efficiency", ""), ("notes", ""), ("quick", ""), ("torch", ""),
 )
 
@@ -329,6 +337,12 @@ def _collective_worker(rank: int, ranks: int, port: int, backend: str, nbytes: i
                             timeout=timedelta(seconds=120))
     try:
         result = _collectives(rank, ranks, device, nbytes, quick)
+        if backend == "gloo":  # GPU: NCCL's FSDP2 overlaps its prefetch; the datasheet model stands there
+            from dhp.scripts.bench_ops_sharded import measure_sharded
+
+            sharded = measure_sharded(ranks, quick)
+            result["notes"] += sharded.pop("notes")
+            result.update(sharded)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -492,10 +506,24 @@ def measure(quick: bool) -> dict[str, Any]:
         "torch": torch.__version__,
     }
     for key in ("all_reduce_gbps", "all_gather_gbps", "all_to_all_gbps", "collective_latency_s",
-                "all_reduce_by_size", "all_gather_by_size", "all_to_all_by_size"):
+                "all_reduce_by_size", "all_gather_by_size", "all_to_all_by_size", *SHARDED_FIELDS):
         profile[key] = comm.get(key)
     for key in ("object_store_gbps", "call_latency_s"):
         profile[key] = store.get(key)
+    if gpu:
+        profile["notes"].append("efficiency.vision_forward/vision_backward/text: not measured on a GPU (the "
+                                "reference stage's tiny widths are launch-bound there)")
+    else:
+        from dhp.scripts.bench_ops_stages import measure_stages
+
+        torch.set_num_threads(1)
+        try:
+            stages = measure_stages(profile, quick)
+        finally:
+            torch.set_num_threads(threads)
+        profile["efficiency"].update(stages["efficiency"])
+        profile["optimizer_s_per_param"] = stages["optimizer_s_per_param"]
+        profile["notes"] += stages["notes"]
     return {key: profile[key] for key, _ in FIELDS}
 
 
@@ -505,7 +533,9 @@ def _fmt(value: Any) -> str:
     if isinstance(value, list) and value and isinstance(value[0], list):
         return ", ".join(f"{n}: {r:.4g}" for n, r in value)
     if isinstance(value, list):
-        return "; ".join(value)
+        return "; ".join(_fmt(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
     return "-" if value is None else str(value)
 
 

@@ -48,8 +48,10 @@ OVERSUBSCRIBED: dict[str, list[str]] = {"sequence 2 / tensor 2, pipelined": SP2 
 TOLERANCE = 0.20
 
 
-def deep_sample(root: Path) -> tuple[Any, Path, dict]:
-    """(model config, a seeded checkpoint of it, one preprocessed one-image sample) under `root`."""
+def deep_sample(root: Path, image: tuple[int, int] = IMAGE, text_layers: int = 12,
+                vision_depth: int = 16, save: bool = True) -> tuple[Any, Path | None, dict]:
+    """(model config, a seeded checkpoint of it (None unless `save`), one preprocessed one-image sample of
+    `image` (width, height) pixels) under `root`."""
     import torch
     from PIL import Image
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -57,16 +59,17 @@ def deep_sample(root: Path) -> tuple[Any, Path, dict]:
     from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
     from dhp.scripts.bench_checkpointing import deep_config
 
-    config = deep_config(text_layers=12, vision_depth=16)
+    config = deep_config(text_layers=text_layers, vision_depth=vision_depth)
     torch.manual_seed(0)
-    ckpt = root / "ckpt"
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(ckpt)
+    ckpt = root / "ckpt" if save else None
+    if ckpt is not None:
+        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(ckpt)
     rng = torch.Generator().manual_seed(0)
-    pixels = torch.randint(0, 256, (IMAGE[1], IMAGE[0], 3), generator=rng, dtype=torch.uint8).numpy()
+    pixels = torch.randint(0, 256, (image[1], image[0], 3), generator=rng, dtype=torch.uint8).numpy()
     Image.fromarray(pixels).save(root / "a.png")
     record = {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nDescribe it."},
                                                   {"from": "gpt", "value": "Noise in many colours."}]}
-    settings = PreprocessSettings(str(root), min_pixels=56 * 56, max_pixels=IMAGE[0] * IMAGE[1], max_seq_len=4096)
+    settings = PreprocessSettings(str(root), min_pixels=56 * 56, max_pixels=image[0] * image[1], max_seq_len=4096)
     sample = decode_sample(Preprocessor(settings, config)({"source": "t", "record": json.dumps(record)})["sample"])
     return config, ckpt, sample
 
