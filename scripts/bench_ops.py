@@ -96,7 +96,8 @@ FIELDS = (  # (key, unit) in the order the table prints them
     ("all_reduce_gbps", "GB/s"), ("all_gather_gbps", "GB/s"), ("all_to_all_gbps", "GB/s"),
     ("collective_latency_s", "s"), ("all_reduce_by_size", "[B, s]"), ("all_gather_by_size", "[B, s]"),
     ("all_to_all_by_size", "[B, s]"), ("zero3_unit_s", "[fwd, bwd] s"), ("zero3_s_per_byte", "[fwd, bwd] s"),
-    ("zero3_optimizer_s_per_tensor", "s"), ("zero1_step_s_per_tensor", "s"), ("h2d_gbps", "GB/s"), ("object_store_gbps", "GB/s"), ("call_latency_s", "s"),
+    ("zero3_optimizer_s_per_tensor", "s"), ("zero1_step_s_per_tensor", "s"), ("h2d_gbps", "GB/s"),
+    ("object_store_gbps", "GB/s"), ("call_latency_s", "s"),
     ("efficiency", ""), ("notes", ""), ("quick", ""), ("torch", ""),
 )
 
