@@ -318,7 +318,7 @@ def _collectives(rank: int, ranks: int, device: str, nbytes: int, quick: bool) -
             t = x[: size // x.element_size()]
             o = out[: t.numel()]
             curve.append([size, median_latency(lambda t=t, o=o, op=op: op(t, o), reps=5 if quick else 10,
-                                               batches=3 if quick else 7, sync=sync)])
+                                               batches=7, sync=sync)])
         result[f"{kind}_by_size"] = curve
     result["notes"] = notes
     return result

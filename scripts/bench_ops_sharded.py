@@ -49,7 +49,8 @@ def _calls(stage: str, model: Any, inputs: dict, reps: int) -> tuple[float, floa
 
 
 def _step_s(model: Any, reps: int, zero1: bool = False) -> float:
-    """Median seconds of the stage workers' AdamW step (ZeroRedundancyOptimizer over the group if `zero1`)."""
+    """Median seconds of the stage workers' AdamW step (ZeroRedundancyOptimizer over the group if `zero1`), as
+    `StageWorker.optimizer_step` runs it: gradients scaled by a clip coefficient, step, zero."""
     import torch
 
     from dhp.stages.config import load_config
@@ -62,6 +63,8 @@ def _step_s(model: Any, reps: int, zero1: bool = False) -> float:
             p.grad = torch.full_like(p, 1e-3)
         torch.distributed.barrier()
         start = time.perf_counter()
+        for p in model.parameters():
+            p.grad.mul_(0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rep:
@@ -78,7 +81,7 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
     from dhp.scripts.bench_ops_stages import DEPTH, IMAGE, TEXT_LAYERS
     from dhp.scripts.bench_time_model import deep_sample
 
-    reps = 3 if quick else 8
+    reps = 5 if quick else 10
     with tempfile.TemporaryDirectory() as tmp:
         config, _, sample = deep_sample(Path(tmp), image=IMAGE, text_layers=TEXT_LAYERS, vision_depth=DEPTH,
                                         save=False)
@@ -92,8 +95,8 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
         torch.manual_seed(0)
         model = cls(config).train()
         plain = _calls(stage, model, inputs, reps)
-        if stage == "vision":
-            plain_step, zero1_step = _step_s(model, reps), _step_s(model, reps, zero1=True)
+        if stage == "vision":  # steps are short: more repetitions
+            plain_step, zero1_step = _step_s(model, 3 * reps), _step_s(model, 3 * reps, zero1=True)
             tensors = len(list(model.parameters()))
         shard_units = model.shard_units()
         units[stage] = len(shard_units) + 1  # and the root
@@ -102,7 +105,7 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
         sharded = _calls(stage, model, inputs, reps)
         overhead[stage] = [max(0.0, z - p) for z, p in zip(sharded, plain)]
         if stage == "vision":
-            dtensor_step = _step_s(model, reps)
+            dtensor_step = _step_s(model, 3 * reps)
     per_unit, per_byte = [], []
     (u_v, u_t), (b_v, b_t) = (units["vision"], units["text"]), (nbytes["vision"], nbytes["text"])
     for i in range(2):  # forward, backward: overhead = units * a + bytes * b, one equation per stage

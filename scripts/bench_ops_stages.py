@@ -83,7 +83,10 @@ def _time_steps(model_config: Any, sample: dict, steps: int) -> tuple[dict[str, 
                 for k, sec in zip(calls, (t1 - t0, t2 - t1, t3 - t2)):
                     calls[k].append(sec)
         t4 = time.perf_counter()
-        for o in optimizers:
+        for o in optimizers:  # as StageWorker.optimizer_step: scaled by a clip coefficient, step, zero
+            for group in o.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(0.5)
             o.step()
             o.zero_grad(set_to_none=True)
         if step:

@@ -27,6 +27,20 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def quick_ops_profile(ray_session, tmp_path_factory):
+    """`dhp bench ops --quick` of this machine, measured once per session (about 25 s): the profile JSON's path
+    (its run reuses the session's Ray and leaves it running)."""
+    import argparse
+
+    from dhp.scripts.bench_ops import main
+
+    path = tmp_path_factory.mktemp("bench_ops") / "sub" / "profile.json"
+    assert main(argparse.Namespace(json=str(path), quick=True)) == 0
+    assert ray_session.is_initialized()
+    return path
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1, for a spawned process group's rendezvous."""
     from dhp.scripts.local_head import free_ports
