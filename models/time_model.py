@@ -23,6 +23,11 @@ One micro-batch, per rank of each pool (seconds = work / the profile's rate for 
   counts, `Profile.memory_passes` passes, and each backward's gradient accumulation into `.grad` (3 x the
   rank's gradient bytes). A datasheet profile has 0: its fitted efficiency stands for that work.
 - overhead: kernels (ops per block x the profile's launch latency) and one Ray call each.
+- measured stages (a CPU `dhp bench ops` profile): the compute parts of each call (`COMPUTE_PARTS`) divided
+  by the profile's `efficiency.vision_forward / vision_backward / text`, the op model's share of the same
+  call timed on real transformers stages; ZeRO-3 per unit and per parameter byte as measured on FSDP2
+  (`zero3_unit_s`, `zero3_s_per_byte`) rather than from the collectives' bytes; the DTensor optimizer's and
+  ZeRO-1's broadcasts per parameter tensor.
 - boundary: the merged vision tokens [S*P/4, out_hidden] cross to the text pool and their gradient comes
   back: device -> host -> object store -> host -> device, both ways.
 The micro-batch calls are then placed on devices (shared: vision and text actor b on device b, taking
