@@ -1,14 +1,15 @@
 """Ray Data ingestion: annotation files -> preprocessed samples -> micro-batches held in the object store.
 
-Reading and preprocessing run in Ray Data (read_binary_files -> flat_map into records -> map with a
-stateful `Preprocessor` on `data.preprocess_workers` actors). A `BatchLoader` actor drives the stream,
-packs each global batch into token-budget micro-batches and `ray.put`s the vision part and the text part
-separately, so the driver receives only object references and scalar metadata (invariant 3): the
-vision pool is handed the vision refs, the text pool the text refs.
+Reading and preprocessing run in Ray Data (one row per file -> flat_map into records -> map with a
+stateful `Preprocessor` on `data.preprocess_workers` actors); the files are JSONL annotation files or
+WebDataset shards (`dataflow/sources.py` decides, `dataflow/webdataset.py` splits a shard). A
+`BatchLoader` actor drives the stream, packs each global batch into token-budget micro-batches and
+`ray.put`s the vision part and the text part separately, so the driver receives only object references
+and scalar metadata (invariant 3): the vision pool is handed the vision refs, the text pool the text refs.
 
 Nothing materializes a dataset: `iter_rows` streams, so memory is Ray Data's pipeline buffers plus the
 one global batch being packed here, whatever the dataset's size. The one unit held whole is an
-annotation file (its records are shuffled together), so very large annotation sets are best split
+annotation file or a shard (its records are shuffled together), so very large annotation sets are best split
 into several files (`data.train` takes a comma-separated list).
 """
 
@@ -26,6 +27,7 @@ import torch
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+from dhp.dataflow.sources import Jsonl
 from dhp.dataflow.storage import filesystem_of_all, scheme_of
 
 MAX_SKIP_EXAMPLES = 50  # examples in the run summary; every skipped record goes to RUN_DIR/quarantine.jsonl
@@ -152,10 +154,12 @@ def build_dataset(
     # Local files and s3:// objects alike: one pyarrow filesystem, which Ray pickles to the read tasks
     # together with the driver-resolved endpoint, retry policy and credentials (storage.py).
     fs, fs_paths = filesystem_of_all(paths, settings.storage)
-    ds = ray.data.read_binary_files(fs_paths, filesystem=fs, include_paths=True, num_cpus=0.05)
+    records = settings.records or Jsonl()  # JSONL files or WebDataset shards (dataflow/sources.py)
+    ds = records.read(fs, fs_paths)
     prefix = f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else ""
-    split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix}
-    ds = ds.flat_map(split_records, fn_kwargs=split_args, num_cpus=0.05)
+    split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix,
+                  **records.split_kwargs(fs)}
+    ds = ds.flat_map(records.split, fn_kwargs=split_args, num_cpus=0.05)
     return ds.map(
         Preprocessor,
         fn_constructor_args=(settings, model_config),

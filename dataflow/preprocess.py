@@ -52,6 +52,7 @@ class PreprocessSettings:
     max_seq_len: int
     tokenizer_path: str | None = None
     storage: Any = None  # storage.Storage (resolved in the driver) or StorageConfig: how s3:// is reached
+    records: Any = None  # the files' format (sources.record_format: Jsonl, WebDataset); None: JSONL
 
 
 def encode_sample(sample: dict[str, np.ndarray]) -> bytes:
@@ -122,7 +123,9 @@ class Preprocessor:
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         try:
-            sample = self.process(row["record"])
+            if row.get("skip"):  # the reader knew already (a shard's missing member: dataflow/webdataset.py)
+                raise SkipSample(*row["skip"].split("\t", 1))
+            sample = self.process(row["record"], row.get("image") or None)
         except SkipSample as e:
             return {"source": row["source"], "error": e.reason, "detail": e.detail, "sample": b"", "tokens": 0}
         return {
@@ -133,9 +136,14 @@ class Preprocessor:
             "tokens": int(sample["input_ids"].shape[0]),
         }
 
-    def process(self, text: str) -> dict[str, np.ndarray]:
+    def process(self, text: str, image: bytes | None = None) -> dict[str, np.ndarray]:
+        """One record -> the sample's tensors; `image`: the record's one image's bytes when the reader holds
+        them (a WebDataset member) rather than a path to read."""
         image_paths, turns = parse_record(text)
-        images = [self.load_image(p) for p in image_paths]
+        if image is not None:
+            images = [self.decode_image(image, image_paths[0])]
+        else:
+            images = [self.load_image(p) for p in image_paths]
         if images:
             try:
                 out = self.image_processor(images=images, return_tensors="np")
@@ -181,13 +189,18 @@ class Preprocessor:
             raise SkipSample("missing_image", f"{where}: not found") from None
         except OSError as e:  # a folder, no permission, or a storage error that outlived the retries
             raise SkipSample("unreadable_image", f"{where}: {one_line(e)}") from None
+        return self.decode_image(data, rel_path)
+
+    @staticmethod
+    def decode_image(data: bytes, name: str) -> Image.Image:
+        """An image file's bytes -> a loaded PIL image, or the skip that names `name`."""
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
         except (UnidentifiedImageError, OSError, ValueError) as e:
-            raise SkipSample("corrupt_image", f"{rel_path}: {e}") from None
+            raise SkipSample("corrupt_image", f"{name}: {e}") from None
         if min(image.size) < 2:
-            raise SkipSample("degenerate_image", f"{rel_path}: size {image.size}")
+            raise SkipSample("degenerate_image", f"{name}: size {image.size}")
         return image  # the image processor's convert_to_rgb blends transparency onto white, as upstream
 
     def tokenize(self, turns: list[tuple[str, str]], image_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:

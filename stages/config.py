@@ -67,9 +67,18 @@ class StorageConfig:
 
 
 @dataclass
+class WebDatasetConfig:
+    prompt: str = "<image>\nDescribe this image."  # the user turn of every sample; holds <image> exactly once
+    caption: str = "txt"  # the reply: the `{key}.txt` member, or this field of `{key}.json` (e.g. cogvlm_caption)
+
+
+@dataclass
 class DataConfig:
-    train: str = ""  # annotation file (JSON array or JSONL); empty = the synthetic set
-    eval: str = ""  # held-out annotation file; empty = none (or the synthetic val split)
+    # annotation files (JSON array or JSONL) or WebDataset shards (.tar), comma-separated; brace ranges
+    # ({00000..01023}) and globs (*, ?) expand, local or s3://; empty = the synthetic set
+    train: str = ""
+    format: Literal["auto", "jsonl", "webdataset"] = "auto"  # auto: webdataset when every path ends in .tar
+    eval: str = ""  # held-out annotation files or shards, as `train`; empty = none (or the synthetic val split)
     image_root: str = ""  # base of relative `image` paths; empty = the annotation file's folder
     min_pixels: int = 56 * 56  # smart_resize lower bound (pixels per image)
     max_pixels: int = 224 * 224  # smart_resize upper bound; larger images are resized down
@@ -80,6 +89,7 @@ class DataConfig:
     shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle
     synthetic: SynthConfig = field(default_factory=SynthConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)  # how s3:// paths are reached (never credentials)
+    webdataset: WebDatasetConfig = field(default_factory=WebDatasetConfig)  # img2dataset shards -> conversations
 
 
 @dataclass
@@ -286,6 +296,9 @@ def validate(config: Config) -> None:
         (d.min_pixels <= d.max_pixels, "data.min_pixels must be <= data.max_pixels"),
         (d.max_seq_len <= d.microbatch_tokens, "data.max_seq_len must be <= data.microbatch_tokens"),
         (d.preprocess_workers >= 1, "data.preprocess_workers must be >= 1"),
+        (d.webdataset.prompt.count("<image>") == 1,
+         f"data.webdataset.prompt must hold <image> exactly once (where the photo goes), got {d.webdataset.prompt!r}"),
+        (bool(d.webdataset.caption.strip()), "data.webdataset.caption must name `txt` or a field of the .json member"),
         (min(t.checkpoint_every, t.keep_last, t.max_restarts) >= 0,
          "training.checkpoint_every, keep_last and max_restarts must be >= 0"),
         (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),

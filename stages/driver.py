@@ -27,16 +27,17 @@ def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
         s = d.synthetic
         synth = write_synthetic_dataset(s.dir, s.num, seed=s.seed, eval_num=s.eval_num)
         return [str(synth.train_path.resolve())], [str(synth.val_path.resolve())], str(synth.out_dir.resolve())
+    from dhp.dataflow.sources import expand_paths, record_format
     from dhp.dataflow.storage import filesystem_of_all, require_file, resolve
 
-    train = [p if "://" in p else os.path.abspath(p) for p in map(str.strip, d.train.split(",")) if p]
-    evals = [p if "://" in p else os.path.abspath(p) for p in map(str.strip, d.eval.split(",")) if p]
     storage = resolve(d.storage)
+    train, evals = expand_paths(d.train, storage), expand_paths(d.eval, storage)  # lists, braces, globs
     for paths in (train, evals):
         if paths:
             filesystem_of_all(paths, storage)  # one Ray Data read per split: one kind of storage each
-    for p in train + evals:  # local or s3://: a missing object stops the run here, naming its key
-        require_file(p, storage)
+            if not record_format(d, paths).missing_ok:  # a missing shard is a counted skip; a missing
+                for p in paths:  # annotation file stops the run here, naming its key (local or s3://)
+                    require_file(p, storage)
     root = d.image_root or os.path.dirname(train[0])
     return train, evals, root if "://" in root else os.path.abspath(root)
 

@@ -6,6 +6,7 @@ loader -> vision pool, tokens loader -> text pool, embeddings vision -> text, gr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -18,6 +19,7 @@ from transformers import Qwen2_5_VLConfig
 
 from dhp.dataflow.loader import BatchLoader, GlobalBatch, reshard_positions
 from dhp.dataflow.preprocess import PreprocessSettings
+from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
 from dhp.models.export import export_hf, read_meta, write_meta
@@ -84,6 +86,7 @@ class Trainer:
             max_seq_len=d.max_seq_len,
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
             storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
+            records=record_format(d, train_paths or []),  # JSONL or WebDataset shards (dataflow/sources.py)
         )
         # Pools first: their rendezvous needs every rank placed at once, while the loaders' Ray Data
         # work can wait for whatever CPU is left.
@@ -111,7 +114,8 @@ class Trainer:
             for r in range(self.dp if train_paths else 0)
         ]
         # Evaluation runs on one replica per pool: its batches are whole global batches, the same in any layout.
-        evals = common | {"global_batch_size": cfg.training.global_batch_size}
+        evals = common | {"global_batch_size": cfg.training.global_batch_size,
+                          "settings": dataclasses.replace(settings, records=record_format(d, eval_paths or []))}
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **evals) if eval_paths else None
         self._eval_batches: list[GlobalBatch] | None = None
 

@@ -1,0 +1,147 @@
+"""What `data.train` / `data.eval` name, and how Ray Data turns each file into records: the one place that
+knows the data formats (a new format is a class here).
+
+`expand_paths`: a comma-separated list whose items may hold brace ranges (`{00000..01023}`, zero-padded as
+written), brace alternatives (`{a,b}`) and globs (`*`, `?`, `[...]`, matched against the listing of the
+local folder or the s3:// prefix). `record_format`: the format object the loaders ask:
+
+    name          "jsonl" | "webdataset"
+    missing_ok    a listed file that does not exist is a counted skip (a failed shard) rather than a stop
+    read(fs, paths)  a Ray Data dataset of one row per file
+    split, split_kwargs(fs)  the flat_map from a file's row to its records (shuffled, this replica's share)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from dhp.dataflow.storage import filesystem, is_uri
+from dhp.stages.config import ConfigError
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(\d+)\.\.(\d+)$")
+GLOB_CHARS = "*?["
+
+
+def expand_braces(item: str) -> list[str]:
+    """'s3://b/{000..002}.tar' -> ['s3://b/000.tar', 's3://b/001.tar', 's3://b/002.tar']; '{a,b}' -> both."""
+    m = _BRACE.search(item)
+    if not m:
+        return [item]
+    body, head, tail = m.group(1), item[: m.start()], item[m.end():]
+    r = _RANGE.match(body)
+    if r:
+        lo, hi = int(r.group(1)), int(r.group(2))
+        if hi < lo:
+            raise ConfigError(f"data paths: brace range {{{body}}} in {item!r} runs backwards")
+        width = len(r.group(1)) if r.group(1).startswith("0") else 0
+        choices = [str(i).zfill(width) for i in range(lo, hi + 1)]
+    elif "," in body:
+        choices = body.split(",")
+    else:
+        raise ConfigError(f"data paths: {{{body}}} in {item!r} is neither a range {{A..B}} nor alternatives {{a,b}}")
+    return [p for c in choices for p in expand_braces(head + c + tail)]
+
+
+def _glob(item: str, storage: Any) -> list[str]:
+    """The files matching a glob, sorted, as URIs like `item` (local: absolute paths)."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(item, storage)
+    first = min(path.index(c) for c in GLOB_CHARS if c in path)
+    base = path[:first].rpartition("/")[0] or "/"
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    except OSError as e:
+        raise ConfigError(f"data paths: cannot list {base} for {item!r}: {str(e).splitlines()[0]}") from None
+    found = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, path))
+    if not found:
+        raise ConfigError(f"data paths: {item!r} matches no file")
+    prefix = item.split("://", 1)[0] + "://" if is_uri(item) else ""
+    return [prefix + p for p in found]
+
+
+def expand_paths(spec: str, storage: Any = None) -> list[str]:
+    """`data.train` / `data.eval` -> the files, in the order written (globs sorted)."""
+    import os
+
+    out = []
+    for item in _split_top(spec):
+        for path in expand_braces(item):
+            path = path if is_uri(path) else os.path.abspath(path)
+            out += _glob(path, storage) if any(c in path for c in GLOB_CHARS) else [path]
+    return out
+
+
+def _split_top(spec: str) -> list[str]:
+    """Split on the commas outside braces ('{a,b}.tar,c.tar' -> ['{a,b}.tar', 'c.tar'])."""
+    items, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += (ch == "{") - (ch == "}")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [s.strip() for s in [*items, cur] if s.strip()]
+
+
+@dataclass(frozen=True)
+class Jsonl:
+    """LLaVA-style annotation files (JSON array or JSONL), images as files beside them or URIs."""
+
+    name = "jsonl"
+    missing_ok = False
+
+    def read(self, fs: Any, paths: list[str]) -> Any:
+        import ray
+
+        return ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, num_cpus=0.05)
+
+    @property
+    def split(self) -> Any:
+        from dhp.dataflow.loader import split_records
+
+        return split_records
+
+    def split_kwargs(self, fs: Any) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class WebDataset:
+    """img2dataset / webdataset tar shards (dataflow/webdataset.py); a shard opens inside the split, so a
+    missing one is a counted skip there."""
+
+    prompt: str
+    caption: str
+    name = "webdataset"
+    missing_ok = True
+
+    def read(self, fs: Any, paths: list[str]) -> Any:
+        import ray
+
+        return ray.data.from_items([{"path": p} for p in paths])
+
+    @property
+    def split(self) -> Any:
+        from dhp.dataflow.webdataset import split_shard
+
+        return split_shard
+
+    def split_kwargs(self, fs: Any) -> dict[str, Any]:
+        return {"fs": fs, "prompt": self.prompt, "caption": self.caption}
+
+
+def record_format(data: Any, paths: list[str]) -> Jsonl | WebDataset:
+    """The format of `paths` under `data` (a DataConfig): `data.format`, or for auto, webdataset when every
+    path ends in .tar."""
+    name = data.format
+    if name == "auto":
+        name = "webdataset" if paths and all(p.lower().endswith(".tar") for p in paths) else "jsonl"
+    if name == "webdataset":
+        return WebDataset(data.webdataset.prompt, data.webdataset.caption)
+    return Jsonl()

@@ -1,0 +1,185 @@
+"""WebDataset shards as img2dataset writes them (dataflow/webdataset.py, dataflow/sources.py), on the real
+CC12M shard in ../shared/data: 32 web photos with captions and metadata."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import ray
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from dhp.dataflow.loader import BatchLoader
+from dhp.dataflow.preprocess import IGNORE_INDEX, Preprocessor, PreprocessSettings, decode_sample
+from dhp.dataflow.sources import WebDataset, expand_braces, expand_paths, record_format
+from dhp.dataflow.tokenizer import load_tokenizer
+from dhp.dataflow.webdataset import shard_rows, split_shard
+from dhp.models.architectures import architecture_config
+from dhp.stages.config import ConfigError, load_config
+from tests.test_preprocess import expected_ids
+
+SHARD = Path(__file__).resolve().parents[2] / "shared" / "data" / "cc12m-train-0000.tar"
+PROMPT = "<image>\nDescribe this image."
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
+LOCAL = pafs.LocalFileSystem()
+
+
+def _members(path: Path) -> dict[str, dict[str, bytes]]:
+    """key -> extension -> bytes, read with tarfile directly (the reference for what the reader yields)."""
+    out: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tar:
+        for m in tar.getmembers():
+            key, _, ext = m.name.partition(".")
+            out.setdefault(key, {})[ext] = tar.extractfile(m).read()
+    return out
+
+
+def _preprocessor() -> Preprocessor:
+    settings = PreprocessSettings("", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_seq_len=1024)
+    return Preprocessor(settings, architecture_config("tiny"))
+
+
+@pytest.fixture(scope="module")
+def shard() -> Path:
+    if not SHARD.exists():  # the project's shared test data: its absence is a broken checkout, not a skip
+        raise FileNotFoundError(f"test data missing: {SHARD}")
+    return SHARD
+
+
+def test_real_shard_becomes_one_conversation_per_photo(shard):
+    members = _members(shard)
+    rows = shard_rows(LOCAL, str(shard), "s3://b/x.tar", PROMPT, "txt")
+    assert len(rows) == len(members) == 32
+    for row in rows:
+        key = row["source"].removeprefix("s3://b/x.tar:")
+        record = json.loads(row["record"])
+        assert row["skip"] == "" and row["image"] == members[key]["jpg"]
+        assert record["image"] == f"{key}.jpg" and record["conversations"] == [
+            {"from": "human", "value": PROMPT}, {"from": "gpt", "value": members[key]["txt"].decode().strip()}]
+    by_field = shard_rows(LOCAL, str(shard), "x.tar", PROMPT, "caption")  # a field of {key}.json
+    captions = [json.loads(r["record"])["conversations"][1]["value"] for r in by_field]
+    assert captions == [json.loads(members[r["source"].split(":")[1]]["json"])["caption"].strip() for r in by_field]
+
+
+def test_real_photos_preprocess_as_transformers_does(shard):
+    pre, tok = _preprocessor(), load_tokenizer()
+    ref = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    for row in shard_rows(LOCAL, str(shard), "x.tar", PROMPT, "txt")[:6]:
+        out = pre(row)
+        assert out["error"] == "", out
+        sample = {k: v.numpy() for k, v in decode_sample(out["sample"]).items()}
+        expect = ref(images=[Image.open(io.BytesIO(row["image"]))], return_tensors="np")
+        np.testing.assert_array_equal(sample["pixel_values"], expect["pixel_values"])
+        np.testing.assert_array_equal(sample["image_grid_thw"], expect["image_grid_thw"])
+        record = json.loads(row["record"])
+        assert sample["input_ids"].tolist() == expected_ids(tok, record, sample["image_grid_thw"])
+        labelled = sample["input_ids"][sample["labels"] != IGNORE_INDEX]
+        assert tok.decode(labelled) == record["conversations"][1]["value"] + "<|im_end|>"
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_bad_members_are_counted_skips_naming_shard_and_key(shard, tmp_path):
+    photo = next(iter(_members(shard).values()))["jpg"]
+    bad = _tar(tmp_path / "bad.tar", [
+        ("a.jpg", photo), ("a.txt", b"A good one."),
+        ("b.txt", b"No image."),
+        ("c.jpg", photo),
+        ("d.jpg", photo), ("d.txt", b"  \n"),
+        ("e.jpg", photo), ("e.txt", b"Stop here<|im_end|> and more"),
+        ("f.jpg", b"\xff\xd8 not a jpeg at all"), ("f.txt", b"Corrupt."),
+        ("g.jpg", photo[: len(photo) // 3]), ("g.txt", b"Truncated JPEG."),
+        ("h.png", photo), ("h.json", b'{"caption": "no such field here"}'),
+    ])
+    pre = _preprocessor()
+    got = {}
+    for caption in ("txt", "cogvlm_caption"):
+        for row in shard_rows(LOCAL, str(bad), "bad.tar", PROMPT, caption):
+            out = pre(row)
+            got[(caption, out["source"])] = out["error"]
+            assert out["error"] == "" or out["detail"], out
+    assert {k[1]: v for k, v in got.items() if k[0] == "txt"} == {
+        "bad.tar:a": "", "bad.tar:b": "missing_image", "bad.tar:c": "missing_caption", "bad.tar:d": "empty_caption",
+        "bad.tar:e": "special_token_caption", "bad.tar:f": "corrupt_image", "bad.tar:g": "corrupt_image",
+        "bad.tar:h": "missing_caption"}
+    assert got[("cogvlm_caption", "bad.tar:h")] == "missing_caption"
+
+    cut = tmp_path / "cut.tar"  # a shard cut mid-member: the samples before the cut are kept
+    cut.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    rows = shard_rows(LOCAL, str(cut), "cut.tar", PROMPT, "txt")
+    assert 10 < len(rows) < 32 and all(r["skip"] == "" for r in rows[:-1])
+    assert rows[-1]["skip"].startswith("truncated_tar\t") and rows[-1]["source"].startswith("cut.tar:")
+    missing = shard_rows(LOCAL, str(tmp_path / "gone.tar"), "s3://b/gone.tar", PROMPT, "txt")
+    assert [(r["source"], r["skip"].split("\t")[0]) for r in missing] == [("s3://b/gone.tar", "missing_shard")]
+    assert pre(missing[0])["error"] == "missing_shard"
+
+
+def test_shards_are_shuffled_and_split_disjointly(shard):
+    row = {"path": str(shard)}
+    parts = [split_shard(row, LOCAL, PROMPT, "txt", seed=3, replica=r, num_replicas=3) for r in range(3)]
+    sources = [r["source"] for p in parts for r in p]
+    assert len(sources) == len(set(sources)) == 32
+    assert split_shard(row, LOCAL, PROMPT, "txt", seed=3, replica=1, num_replicas=3) == parts[1]
+    unshuffled = [r["source"] for r in split_shard(row, LOCAL, PROMPT, "txt", seed=None)]
+    in_tar_order = [f"{shard}:{key}" for key in _members(shard)]
+    assert unshuffled == in_tar_order != [r["source"] for r in split_shard(row, LOCAL, PROMPT, "txt", seed=3)]
+
+
+def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
+    assert expand_braces("s3://b/p/{0008..0011}.tar") == [f"s3://b/p/{i:04d}.tar" for i in range(8, 12)]
+    assert expand_braces("{a,b}/{1..2}.tar") == ["a/1.tar", "a/2.tar", "b/1.tar", "b/2.tar"]
+    with pytest.raises(ConfigError, match="runs backwards"):
+        expand_braces("{3..1}.tar")
+    for name in ("000.tar", "001.tar", "002.tar", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    assert expand_paths(f"{tmp_path}/00*.tar") == [str(tmp_path / f"00{i}.tar") for i in range(3)]
+    assert expand_paths(f"{tmp_path}/{{000..001}}.tar, {tmp_path}/notes.txt") == [
+        str(tmp_path / "000.tar"), str(tmp_path / "001.tar"), str(tmp_path / "notes.txt")]
+    with pytest.raises(ConfigError, match="matches no file"):
+        expand_paths(f"{tmp_path}/*.jsonl")
+    cfg = load_config("tiny", [])
+    assert record_format(cfg.data, ["a.tar", "s3://b/c.TAR"]).name == "webdataset"
+    assert record_format(cfg.data, ["a.tar", "b.jsonl"]).name == "jsonl"
+    with pytest.raises(ConfigError, match="exactly once"):
+        load_config("tiny", ["data.webdataset.prompt=Describe it."])
+
+
+def _loader(paths: list[str], replica: int, num_replicas: int, storage=None):
+    settings = PreprocessSettings("", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_seq_len=1024,
+                                  storage=storage, records=WebDataset(PROMPT, "txt"))
+    return ray.remote(BatchLoader).options(num_cpus=0.1).remote(
+        paths, settings, architecture_config("tiny"), global_batch_size=8, microbatch_tokens=1024, seed=0,
+        repeat=False, replica=replica, num_replicas=num_replicas)
+
+
+def test_replicas_stream_disjoint_samples_and_count_a_missing_shard(ray_session, shard, tmp_path):
+    shutil.copy(shard, tmp_path / "0000.tar")
+    paths = expand_paths(f"{tmp_path}/{{0000..0001}}.tar")  # 0001 was never written: a failed shard
+    seen, skipped = [], {}
+    for r, loader in enumerate([_loader(paths, r, 2) for r in range(2)]):
+        ids = []
+        while (batch := ray.get(loader.next_batch.remote())) is not None:
+            for mb in batch.microbatches:
+                text = ray.get(mb.text)
+                ids += [tuple(row[row != 151643].tolist()) for row in text["input_ids"]]
+        seen.append(ids)
+        report = ray.get(loader.skip_report.remote())
+        skipped[r] = report["counts"]
+        if report["examples"]:
+            assert report["examples"][0]["source"] == paths[1]
+    assert len(seen[0]) + len(seen[1]) == 32 and not set(seen[0]) & set(seen[1])
+    assert sorted(skipped.values(), key=len) == [{}, {"missing_shard": 1}]  # one replica counts it
