@@ -155,7 +155,7 @@ def build_dataset(
     # together with the driver-resolved endpoint, retry policy and credentials (storage.py).
     fs, fs_paths = filesystem_of_all(paths, settings.storage)
     records = settings.records or Jsonl()  # JSONL files or WebDataset shards (dataflow/sources.py)
-    ds = records.read(fs, fs_paths)
+    ds = records.read(fs, fs_paths, seed)
     prefix = f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else ""
     split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix,
                   **records.split_kwargs(fs)}

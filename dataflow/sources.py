@@ -7,7 +7,7 @@ local folder or the s3:// prefix). `record_format`: the format object the loader
 
     name          "jsonl" | "webdataset"
     missing_ok    a listed file that does not exist is a counted skip (a failed shard) rather than a stop
-    read(fs, paths)  a Ray Data dataset of one row per file
+    read(fs, paths, seed)  a Ray Data dataset of one row per file (WebDataset: shards in the epoch's order)
     split, split_kwargs(fs)  the flat_map from a file's row to its records (shuffled, this replica's share)
 """
 
@@ -96,7 +96,7 @@ class Jsonl:
     name = "jsonl"
     missing_ok = False
 
-    def read(self, fs: Any, paths: list[str]) -> Any:
+    def read(self, fs: Any, paths: list[str], seed: int | None) -> Any:
         import ray
 
         return ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, num_cpus=0.05)
@@ -121,10 +121,16 @@ class WebDataset:
     name = "webdataset"
     missing_ok = True
 
-    def read(self, fs: Any, paths: list[str]) -> Any:
+    def read(self, fs: Any, paths: list[str], seed: int | None) -> Any:
+        """The shards in the epoch's order: permuted with its seed (then each shard's samples, `split_shard`)."""
+        import random
+
         import ray
 
-        return ray.data.from_items([{"path": p} for p in paths])
+        order = list(paths)
+        if seed is not None:
+            random.Random(seed).shuffle(order)
+        return ray.data.from_items([{"path": p} for p in order])
 
     @property
     def split(self) -> Any:

@@ -183,3 +183,34 @@ def test_replicas_stream_disjoint_samples_and_count_a_missing_shard(ray_session,
             assert report["examples"][0]["source"] == paths[1]
     assert len(seen[0]) + len(seen[1]) == 32 and not set(seen[0]) & set(seen[1])
     assert sorted(skipped.values(), key=len) == [{}, {"missing_shard": 1}]  # one replica counts it
+
+
+def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard, tmp_path):
+    """Two steps on the real shard, once from a local folder and once from an S3 bucket (moto), each named by
+    a brace range whose first shard img2dataset never wrote (file order, unshuffled, so it is met at once):
+    the same losses, the same counted skip."""
+    from dhp.stages.driver import train
+
+    local = tmp_path / "laion"
+    local.mkdir()
+    shutil.copy(shard, local / "0001.tar")
+    s3_endpoint.upload(local, "pop", "laion")
+    runs = {}
+    for name, base in (("local", str(local)), ("s3", "s3://pop/laion")):
+        cfg = load_config("tiny", [
+            f"data.train={base}/{{0000..0001}}.tar", f"data.storage.endpoint_url={s3_endpoint.url}",
+            "data.webdataset.caption=caption", f"data.max_pixels={MAX_PIXELS}", "data.shuffle_seed=null",
+            "training.steps=2", "training.global_batch_size=4", "training.eval_every=0", "training.warmup_steps=1",
+            "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
+            "text.parallelism=none", "text.num_actors=1", "text.degree=1",
+            f"output.dir={tmp_path}/runs", f"output.name={name}", "output.save_final_checkpoint=false"])
+        summary = train(cfg)
+        run = tmp_path / "runs" / name
+        runs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        quarantined = [json.loads(line) for line in (run / "quarantine.jsonl").read_text().splitlines()]
+        assert [(q["source"], q["error"]) for q in quarantined] == [(f"{base}/0000.tar", "missing_shard")]
+        assert json.loads((run / "summary.json").read_text()) == summary
+        assert "missing_shard" in json.dumps(summary)
+    assert [r["step"] for r in runs["s3"]] == [1, 2]
+    assert [r["loss"] for r in runs["s3"]] == [r["loss"] for r in runs["local"]]  # exactly
+    assert [r["tokens"] for r in runs["s3"]] == [r["tokens"] for r in runs["local"]]
