@@ -135,7 +135,7 @@ def reshard_positions(states: list[dict[str, Any]], n: int) -> list[dict[str, An
         skipped.update(s["skipped"])
     examples = [e for s in states for e in s["skip_examples"]][:MAX_SKIP_EXAMPLES]
     return [
-        {"epoch": epoch, "cursor": max(0, -(-(consumed - r) // n)), "good": good // n + (r < good % n),
+        {"epoch": epoch, "cursor": max(0, -(-(consumed - r) // n)), "source": "", "good": good // n + (r < good % n),
          "skipped": dict(skipped) if r == 0 else {}, "skip_examples": examples if r == 0 else []}
         for r in range(n)
     ]
@@ -184,6 +184,7 @@ class BatchLoader:
         self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
         self.epoch, self.rows, self.exhausted = 0, None, False
         self.cursor = 0  # rows (good or skipped) consumed in this epoch: the data position
+        self.source = ""  # the last consumed row's source (file:line, shard:key): the position, for people
         self.skip_to = 0  # after `restore`: rows of the epoch already trained on
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
@@ -191,8 +192,8 @@ class BatchLoader:
 
     def state(self) -> dict[str, Any]:
         """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "good": self.good, "skipped": dict(self.skipped),
-                "skip_examples": list(self.skip_examples)}
+        return {"epoch": self.epoch, "cursor": self.cursor, "source": self.source, "good": self.good,
+                "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after the batch whose `state()` this is. The epoch's order is deterministic (seeded
@@ -209,6 +210,7 @@ class BatchLoader:
             try:
                 row = next(self.rows)
                 self.cursor += 1
+                self.source = row["source"]
                 if self.cursor <= self.skip_to:
                     continue  # trained on before the resume
                 return row

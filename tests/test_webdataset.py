@@ -214,3 +214,33 @@ def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard
     assert [r["step"] for r in runs["s3"]] == [1, 2]
     assert [r["loss"] for r in runs["s3"]] == [r["loss"] for r in runs["local"]]  # exactly
     assert [r["tokens"] for r in runs["s3"]] == [r["tokens"] for r in runs["local"]]
+
+
+def test_resumed_run_on_shards_equals_uninterrupted_run(ray_session, shard, tmp_path):
+    """Mid-epoch on two shards: the step-2 checkpoint holds the position (cursor, and the last sample's
+    shard:key), and a run resumed from it trains steps 3-4 bit for bit as the uninterrupted run did."""
+    from dhp.stages.driver import train
+
+    for name in ("0000.tar", "0001.tar"):
+        shutil.copy(shard, tmp_path / name)
+
+    def cfg(name: str):
+        return load_config("tiny", [
+            f"data.train={tmp_path}/{{0000..0001}}.tar", f"data.max_pixels={MAX_PIXELS}", "training.steps=4",
+            "training.checkpoint_every=2", "training.keep_last=0", "training.global_batch_size=4",
+            "training.eval_every=0", "training.warmup_steps=1", "vision.parallelism=none", "vision.num_actors=1",
+            "vision.degree=1", "text.parallelism=none", "text.num_actors=1", "text.degree=1",
+            f"output.dir={tmp_path}/runs", f"output.name={name}"])
+
+    def losses(run: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+    train(cfg("full"))
+    full, resumed = tmp_path / "runs" / "full", tmp_path / "runs" / "resumed"
+    position = json.loads((full / "checkpoints" / "step_000002" / "trainer_state.json").read_text())["loaders"]
+    assert position[0]["cursor"] == 8 and position[0]["source"].startswith(f"{tmp_path}/000")
+    assert position[0]["source"].split(".tar:")[1] in {k for k in _members(shard)}
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000004")
+    assert train(cfg("resumed"))["resumed_from"].endswith("step_000002")
+    assert losses(resumed) == losses(full) and len(losses(full)) == 4
