@@ -12,6 +12,9 @@ On the synthetic captioning set (real PNGs, the real tokenizer and image process
   memory                   the stream re-run over `repeat`x more records with the object store capped at
                            `object_store_mb`: peak memory (PSS of the Ray processes and this one) stays
                            flat while the bytes streamed grow past the object store many times over.
+  webdataset               the same images as img2dataset would shard them (`{key}.png`, `{key}.txt`): one
+                           shard, then `repeat` shards, through the WebDataset reader (dataflow/webdataset.py):
+                           steady samples/s and the same peak-memory check as `memory`.
   data_wait_fraction       a real tiny `dhp train` run: time the driver waited for the next global batch /
                            (wait + step time), over the steps after the first (goal <= 5 %).
 Writes one JSON row and prints a short table. Timings are this machine's (2 cores): pipeline workers and the
@@ -74,10 +77,11 @@ def tree_pss(root: int) -> int:
     return total
 
 
-def _settings(root: str, storage: Any = None):
+def _settings(root: str, storage: Any = None, records: Any = None):
     from dhp.dataflow.preprocess import PreprocessSettings
 
-    return PreprocessSettings(image_root=root, min_pixels=3136, max_pixels=50176, max_seq_len=1024, storage=storage)
+    return PreprocessSettings(image_root=root, min_pixels=3136, max_pixels=50176, max_seq_len=1024, storage=storage,
+                              records=records)
 
 
 def _model_config():
@@ -104,13 +108,14 @@ def baseline(train: Path, root: str) -> dict[str, float]:
     return {"samples_per_s": n / elapsed, "vision_tokens_per_s": vision / elapsed, "samples": n}
 
 
-def ray_data(paths: list[str], root: str, workers: int, storage: Any = None) -> dict[str, float]:
+def ray_data(paths: list[str], root: str, workers: int, storage: Any = None, records: Any = None) -> dict[str, float]:
     """dhp's pipeline streamed to the end: seconds from the start (actor start-up included), rows, bytes."""
     from dhp.dataflow.loader import build_dataset
     from dhp.dataflow.preprocess import decode_sample
 
     start = time.perf_counter()
-    ds = build_dataset(paths, _settings(root, storage), _model_config(), workers=workers, num_cpus=0.5, seed=None)
+    ds = build_dataset(paths, _settings(root, storage, records), _model_config(), workers=workers, num_cpus=0.5,
+                       seed=None)
     n, vision, streamed = 0, 0, 0
     for row in ds.iter_rows():
         if row["error"]:
@@ -136,6 +141,30 @@ def repeated(train: Path, times: int, out: Path) -> Path:
     text = train.read_text()
     out.write_text(text * times)
     return out
+
+
+def shards_of(train: Path, root: Path, copies: int, out: Path) -> list[Path]:
+    """The set as img2dataset would write it: a tar of `{key}.png` + `{key}.txt` (the record's reply), and
+    `copies` - 1 more copies of it: a longer stream of the same work."""
+    import io
+    import tarfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    first = out / "00000.tar"
+    with tarfile.open(first, "w") as tar:
+        for i, line in enumerate(line for line in train.read_text().splitlines() if line.strip()):
+            record = json.loads(line)
+            caption = next(t["value"] for t in record["conversations"] if t["from"] == "gpt").encode()
+            image = record["image"] if isinstance(record["image"], str) else record["image"][0]
+            for name, data in ((f"{i:06d}.png", (root / image).read_bytes()), (f"{i:06d}.txt", caption)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    paths = [first]
+    for k in range(1, copies):
+        paths.append(out / f"{k:05d}.tar")
+        paths[-1].write_bytes(first.read_bytes())
+    return paths
 
 
 def upload(local_dir: Path, endpoint: str, bucket: str) -> Any:
@@ -211,6 +240,19 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
             memory.append({"records": runs[path]["samples"], "streamed_mb": runs[path]["streamed_bytes"] / 2**20,
                            "peak_pss_mb": peak.peak / 2**20})
         local = steady_rate(runs[train], runs[big])
+        from dhp.dataflow.sources import WebDataset
+
+        shards, wds_memory, wds_runs = shards_of(train, synth.out_dir, sizes["repeat"], work / "shards"), [], []
+        for paths in (shards[:1], shards):  # the same check on shards: memory flat as the stream grows
+            with PeakMemory() as peak:
+                wds_runs.append(ray_data([str(p) for p in paths], root, sizes["workers"],
+                                         records=WebDataset("<image>\nDescribe this image.", "txt")))
+            wds_memory.append({"records": wds_runs[-1]["samples"], "peak_pss_mb": peak.peak / 2**20,
+                               "streamed_mb": wds_runs[-1]["streamed_bytes"] / 2**20})
+        wds = steady_rate(*wds_runs)
+        row.update(webdataset_samples_per_s=wds["samples_per_s"], webdataset_startup_s=wds["startup_s"],
+                   webdataset_memory=wds_memory,
+                   webdataset_peak_growth=wds_memory[-1]["peak_pss_mb"] / max(wds_memory[0]["peak_pss_mb"], 1e-9))
         s3 = steady_rate(*(ray_data([f"s3://bench/synth/{p.name}"], "s3://bench/synth", sizes["workers"], storage)
                            for p in (train, big)))
         row.update(ray_data_samples_per_s=local["samples_per_s"], ray_data_vision_tokens_per_s=local[
@@ -241,10 +283,12 @@ def table(row: dict[str, Any]) -> str:
              f"{'Ray Data, local files':28}{row['ray_data_samples_per_s']:10.1f}"
              f"{row['ray_data_vision_tokens_per_s']:14.0f}",
              f"{'Ray Data, s3:// (moto)':28}{row['ray_data_s3_samples_per_s']:10.1f}"
-             f"{row['ray_data_s3_vision_tokens_per_s']:14.0f}", ""]
-    for m in row["memory"]:
-        lines.append(f"streamed {m['records']:5d} records = {m['streamed_mb']:7.1f} MiB through a "
-                     f"{row['object_store_mb']} MiB object store: peak PSS {m['peak_pss_mb']:7.1f} MiB")
+             f"{row['ray_data_s3_vision_tokens_per_s']:14.0f}",
+             f"{'Ray Data, WebDataset shards':28}{row['webdataset_samples_per_s']:10.1f}", ""]
+    for kind, key in (("records", "memory"), ("shard samples", "webdataset_memory")):
+        for m in row[key]:
+            lines.append(f"streamed {m['records']:5d} {kind} = {m['streamed_mb']:7.1f} MiB through a "
+                         f"{row['object_store_mb']} MiB object store: peak PSS {m['peak_pss_mb']:7.1f} MiB")
     lines.append(f"training waited for data {row['data_wait_fraction']:.1%} of step time "
                  f"(goal <= {GOAL_WAIT:.0%}) over {row['train_steps_measured']} steps")
     return "\n".join(lines)

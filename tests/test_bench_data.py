@@ -20,6 +20,9 @@ def test_bench_data_quick_writes_its_row(ray_session, tmp_path, capsys):
     small, big = row["memory"]
     assert big["records"] == 2 * small["records"] > 0  # the repeated stream really was longer
     assert big["streamed_mb"] > small["streamed_mb"] > 0 and small["peak_pss_mb"] > 0
+    one, more = row["webdataset_memory"]  # the same images as shards: one, then `repeat` of them
+    assert more["records"] == 2 * one["records"] == 2 * small["records"] and one["peak_pss_mb"] > 0
+    assert math.isfinite(row["webdataset_samples_per_s"]) and row["webdataset_samples_per_s"] > 0
     assert isinstance(row["goal"]["data_wait_fraction"], bool)
     printed = capsys.readouterr().out
-    assert "Ray Data, s3:// (moto)" in printed and "waited for data" in printed
+    assert "Ray Data, s3:// (moto)" in printed and "WebDataset shards" in printed and "waited for data" in printed
