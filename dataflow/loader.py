@@ -15,9 +15,7 @@ into several files (`data.train` takes a comma-separated list).
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +25,7 @@ import torch
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
-from dhp.dataflow.sources import Jsonl
+from dhp.dataflow.sources import Jsonl, split_records  # noqa: F401 (split_records: its old home)
 from dhp.dataflow.storage import filesystem_of_all, scheme_of
 
 MAX_SKIP_EXAMPLES = 50  # examples in the run summary; every skipped record goes to RUN_DIR/quarantine.jsonl
@@ -76,32 +74,6 @@ def split_for_ranks(
     plan = plan_shards(grid, sp, model_config)
     text["merged_index"] = plan.window_index.long()
     return [{"pixel_values": plan.shard(vision["pixel_values"], r), "image_grid_thw": grid} for r in range(sp)]
-
-
-def split_records(
-    row: dict[str, Any], seed: int | None, replica: int = 0, num_replicas: int = 1, prefix: str = ""
-) -> list[dict]:
-    """One annotation file (JSONL or a JSON array) -> one row per record, its JSON kept as text.
-
-    Records stay text until the preprocessor parses them, so one bad line is one counted skip rather
-    than a failed read. With a seed, the records of the file are permuted (per-epoch shuffle); then
-    data-parallel replica r keeps every num_replicas-th record starting at r: disjoint streams.
-    `prefix` ("s3://") turns the filesystem's path back into the URI the user wrote, for `source`.
-    """
-    path, text = prefix + row["path"], row["bytes"].decode("utf-8", errors="replace")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            items = json.loads(text)
-            rows = [{"source": f"{path}[{i}]", "record": json.dumps(r)} for i, r in enumerate(items)]
-        except json.JSONDecodeError as e:  # the whole array is unreadable: one skip naming the file
-            rows = [{"source": path, "record": f"<unparseable JSON array: {e}>"}]
-    else:
-        lines = text.splitlines()
-        rows = [{"source": f"{path}:{i + 1}", "record": line} for i, line in enumerate(lines) if line.strip()]
-    if seed is not None:
-        random.Random(seed).shuffle(rows)
-    return rows[replica::num_replicas]
 
 
 def reshard_positions(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """What `data.train` / `data.eval` name, and how Ray Data turns each file into records: the one place that
-knows the data formats (a new format is a class here).
+knows the data formats (a new format is a class here). Light on imports (no torch, no transformers): the
+read tasks that run the splits import this module, and Ray Data's start-up waits for them.
 
 `expand_paths`: a comma-separated list whose items may hold brace ranges (`{00000..01023}`, zero-padded as
 written), brace alternatives (`{a,b}`) and globs (`*`, `?`, `[...]`, matched against the listing of the
@@ -14,6 +15,8 @@ local folder or the s3:// prefix). `record_format`: the format object the loader
 from __future__ import annotations
 
 import fnmatch
+import json
+import random
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +92,33 @@ def _split_top(spec: str) -> list[str]:
     return [s.strip() for s in [*items, cur] if s.strip()]
 
 
+def split_records(
+    row: dict[str, Any], seed: int | None, replica: int = 0, num_replicas: int = 1, prefix: str = ""
+) -> list[dict]:
+    """One annotation file (JSONL or a JSON array) -> one row per record, its JSON kept as text.
+
+    Records stay text until the preprocessor parses them, so one bad line is one counted skip rather
+    than a failed read. With a seed, the records of the file are permuted (per-epoch shuffle); then
+    data-parallel replica r keeps every num_replicas-th record starting at r: disjoint streams.
+    `prefix` ("s3://") turns the filesystem's path back into the URI the user wrote, for `source`.
+    """
+    path, text = prefix + row["path"], row["bytes"].decode("utf-8", errors="replace")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(text)
+            rows = [{"source": f"{path}[{i}]", "record": json.dumps(r)} for i, r in enumerate(items)]
+        except json.JSONDecodeError as e:  # the whole array is unreadable: one skip naming the file
+            rows = [{"source": path, "record": f"<unparseable JSON array: {e}>"}]
+    else:
+        lines = text.splitlines()
+        rows = [{"source": f"{path}:{i + 1}", "record": line} for i, line in enumerate(lines) if line.strip()]
+    if seed is not None:
+        random.Random(seed).shuffle(rows)
+    return rows[replica::num_replicas]
+
+
+
 @dataclass(frozen=True)
 class Jsonl:
     """LLaVA-style annotation files (JSON array or JSONL), images as files beside them or URIs."""
@@ -103,8 +133,6 @@ class Jsonl:
 
     @property
     def split(self) -> Any:
-        from dhp.dataflow.loader import split_records
-
         return split_records
 
     def split_kwargs(self, fs: Any) -> dict[str, Any]:
