@@ -16,6 +16,7 @@ into several files (`data.train` takes a comma-separated list).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,12 +133,19 @@ def build_dataset(
     split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix,
                   **records.split_kwargs(fs)}
     ds = ds.flat_map(records.split, fn_kwargs=split_args, num_cpus=0.05)
-    return ds.map(
-        Preprocessor,
-        fn_constructor_args=(settings, model_config),
-        compute=ray.data.ActorPoolStrategy(size=workers),
-        num_cpus=num_cpus,
-    )
+    # Ray Data's default (restart forever) makes Ray log an ERROR on every run: the map actor's constructor takes
+    # an object-store argument of Ray Data's own, and such a restart cannot work (ray#53727, #57733). With
+    # max_restarts=0 (the opt-out Ray Data's actor pool names; passed as a remote arg, which 2.60 calls
+    # deprecated without a named replacement) a dying preprocessing actor fails the read, which is reported.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return ds.map(
+            Preprocessor,
+            fn_constructor_args=(settings, model_config),
+            compute=ray.data.ActorPoolStrategy(size=workers),
+            num_cpus=num_cpus,
+            max_restarts=0,
+        )
 
 
 class BatchLoader:
