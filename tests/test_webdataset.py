@@ -1,5 +1,5 @@
-"""WebDataset shards as img2dataset writes them (dataflow/webdataset.py, dataflow/sources.py), on the real
-CC12M shard in ../shared/data: 32 web photos with captions and metadata."""
+"""WebDataset shards as img2dataset writes them (dataflow/webdataset.py, dataflow/sources.py), on a real
+img2dataset shard (tests/assets: 32 CC12M web photos with captions and metadata)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from dhp.models.architectures import architecture_config
 from dhp.stages.config import ConfigError, load_config
 from tests.test_preprocess import expected_ids
 
-SHARD = Path(__file__).resolve().parents[2] / "shared" / "data" / "cc12m-train-0000.tar"
+SHARD = Path(__file__).resolve().parent / "assets" / "cc12m-train-0000.tar"  # tests/assets/README.md
 PROMPT = "<image>\nDescribe this image."
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 LOCAL = pafs.LocalFileSystem()
@@ -48,7 +48,7 @@ def _preprocessor() -> Preprocessor:
 
 @pytest.fixture(scope="module")
 def shard() -> Path:
-    if not SHARD.exists():  # the project's shared test data: its absence is a broken checkout, not a skip
+    if not SHARD.exists():  # part of the repository: its absence is a broken checkout, not a skip
         raise FileNotFoundError(f"test data missing: {SHARD}")
     return SHARD
 
