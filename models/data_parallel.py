@@ -12,6 +12,7 @@ from dhp.models.layout import Layout
 
 class DataParallel(Layout):
     name = "none"
+    label = "DP"
     stages = ("vision", "text")
 
     @classmethod

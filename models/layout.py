@@ -128,6 +128,7 @@ class Layout:
     """The base is the plain data-parallel behaviour; each parallelism overrides what it changes."""
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""  # how a table names it: DP, SP, TP, ZeRO-3
     stages: ClassVar[tuple[str, ...]] = ()  # the stages it can lay out
     lockstep: ClassVar[bool] = False
     spans_pool: ClassVar[bool] = False

@@ -285,6 +285,7 @@ class SequenceParallel(Layout):
     """
 
     name = "sequence"
+    label = "SP"
     stages = ("vision",)
 
     def check_shape(self, model_config: Any) -> None:

@@ -352,6 +352,7 @@ class TensorParallel(Layout):
     """
 
     name = "tensor"
+    label = "TP"
     stages = ("text",)
 
     def check_shape(self, model_config) -> None:

@@ -95,6 +95,7 @@ class Zero3(Layout):
     """
 
     name = "zero3"
+    label = "ZeRO-3"
     stages = ("vision", "text")
     lockstep = True
     spans_pool = True

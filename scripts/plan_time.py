@@ -67,13 +67,16 @@ def predict(cfg: Config, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
 
 
 def describe(cfg: Config) -> str:
-    def pool(s: Any) -> str:
-        name = {"none": "DP", "sequence": "SP", "tensor": "TP", "zero3": "ZeRO-3"}[s.parallelism]
+    from dhp.models.layouts import layout_class
+
+    def pool(stage: str) -> str:
+        s = getattr(cfg, stage)
         reps = s.num_actors // s.degree
-        return f"{name}{s.degree if s.degree > 1 else ''}" + (f" x{reps}" if reps > 1 else "")
+        return f"{layout_class(stage, s.parallelism).label}{s.degree if s.degree > 1 else ''}" + (
+            f" x{reps}" if reps > 1 else "")
 
     ac = "/".join("AC" if s.activation_checkpointing != "none" else "-" for s in (cfg.vision, cfg.text))
-    return (f"vision {pool(cfg.vision)} | text {pool(cfg.text)} | {cfg.pipeline.placement} | "
+    return (f"vision {pool('vision')} | text {pool('text')} | {cfg.pipeline.placement} | "
             f"in flight {cfg.pipeline.max_in_flight} | ckpt {ac} | {cfg.model.precision}")
 
 
