@@ -26,7 +26,7 @@ import torch
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
-from dhp.dataflow.sources import Jsonl, split_records  # noqa: F401 (split_records: its old home)
+from dhp.dataflow.sources import Jsonl
 from dhp.dataflow.storage import filesystem_of_all, scheme_of
 
 MAX_SKIP_EXAMPLES = 50  # examples in the run summary; every skipped record goes to RUN_DIR/quarantine.jsonl

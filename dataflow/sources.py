@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import random
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from dhp.dataflow.storage import filesystem, is_uri
+from dhp.dataflow.webdataset import split_shard
 from dhp.stages.config import ConfigError
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -69,8 +71,6 @@ def _glob(item: str, storage: Any) -> list[str]:
 
 def expand_paths(spec: str, storage: Any = None) -> list[str]:
     """`data.train` / `data.eval` -> the files, in the order written (globs sorted)."""
-    import os
-
     out = []
     for item in _split_top(spec):
         for path in expand_braces(item):
@@ -131,9 +131,7 @@ class Jsonl:
 
         return ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, num_cpus=0.05)
 
-    @property
-    def split(self) -> Any:
-        return split_records
+    split = staticmethod(split_records)
 
     def split_kwargs(self, fs: Any) -> dict[str, Any]:
         return {}
@@ -160,11 +158,7 @@ class WebDataset:
             random.Random(seed).shuffle(order)
         return ray.data.from_items([{"path": p} for p in order])
 
-    @property
-    def split(self) -> Any:
-        from dhp.dataflow.webdataset import split_shard
-
-        return split_shard
+    split = staticmethod(split_shard)
 
     def split_kwargs(self, fs: Any) -> dict[str, Any]:
         return {"fs": fs, "prompt": self.prompt, "caption": self.caption}

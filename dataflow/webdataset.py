@@ -73,8 +73,9 @@ def sample_row(shard: str, key: str, members: dict[str, bytes], prompt: str, cap
         return _skip(source, "missing_caption", why)
     if not caption.strip():
         return _skip(source, "empty_caption", f"caption {caption!r}")
-    if SPECIAL_TOKEN.search(caption):
-        return _skip(source, "special_token_caption", f"caption holds {SPECIAL_TOKEN.search(caption).group()!r}")
+    special = SPECIAL_TOKEN.search(caption)
+    if special:
+        return _skip(source, "special_token_caption", f"caption holds {special.group()!r}")
     record = {"id": key, "image": f"{key}.{ext}",
               "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": caption.strip()}]}
     return _row(source, json.dumps(record), members[ext])

@@ -54,7 +54,7 @@ def _step_s(model: Any, reps: int, zero1: bool = False) -> float:
     import torch
 
     from dhp.stages.config import load_config
-    from dhp.stages.stage_worker import NOT_SHARDED, build_optimizer
+    from dhp.stages.stage_worker import NOT_SHARDED, build_optimizer, clipped_step
 
     opt, _ = build_optimizer(model, load_config("tiny", []), zero_group=None if zero1 else NOT_SHARDED)
     samples = []
@@ -63,10 +63,7 @@ def _step_s(model: Any, reps: int, zero1: bool = False) -> float:
             p.grad = torch.full_like(p, 1e-3)
         torch.distributed.barrier()
         start = time.perf_counter()
-        for p in model.parameters():
-            p.grad.mul_(0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(opt, model.parameters(), 0.5)
         if rep:
             samples.append(time.perf_counter() - start)
     return statistics.median(samples)

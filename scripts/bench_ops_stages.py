@@ -57,7 +57,7 @@ def _time_steps(model_config: Any, sample: dict, steps: int) -> tuple[dict[str, 
 
     from dhp.models.qwen2_5_vl import TextModel, VisionModel
     from dhp.stages.config import load_config
-    from dhp.stages.stage_worker import build_optimizer
+    from dhp.stages.stage_worker import build_optimizer, clipped_step
 
     torch.manual_seed(0)
     vision, text = VisionModel(model_config).train(), TextModel(model_config).train()
@@ -83,12 +83,8 @@ def _time_steps(model_config: Any, sample: dict, steps: int) -> tuple[dict[str, 
                 for k, sec in zip(calls, (t1 - t0, t2 - t1, t3 - t2)):
                     calls[k].append(sec)
         t4 = time.perf_counter()
-        for o in optimizers:  # as StageWorker.optimizer_step: scaled by a clip coefficient, step, zero
-            for group in o.param_groups:
-                for p in group["params"]:
-                    p.grad.mul_(0.5)
-            o.step()
-            o.zero_grad(set_to_none=True)
+        for model, o in zip((vision, text), optimizers):  # as StageWorker.optimizer_step takes it
+            clipped_step(o, model.parameters(), 0.5)
         if step:
             opt.append(time.perf_counter() - t4)
     return {k: statistics.median(v) for k, v in calls.items()}, statistics.median(opt), params

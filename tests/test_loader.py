@@ -7,8 +7,9 @@ import json
 import pytest
 import ray
 
-from dhp.dataflow.loader import BatchLoader, split_records
+from dhp.dataflow.loader import BatchLoader
 from dhp.dataflow.preprocess import PreprocessSettings
+from dhp.dataflow.sources import split_records
 from dhp.models.architectures import architecture_config
 from tests.conftest import write_image
 
