@@ -1,8 +1,8 @@
 """Ray Data ingestion: annotation files -> preprocessed samples -> micro-batches held in the object store.
 
 Reading and preprocessing run in Ray Data (one row per file -> flat_map into records -> map with a
-stateful `Preprocessor` on `data.preprocess_workers` actors); the files are JSONL annotation files or
-WebDataset shards (`dataflow/sources.py` decides, `dataflow/webdataset.py` splits a shard). A
+`Preprocessor` built once per worker process, `data.preprocess_workers` tasks at a time); the files are
+JSONL annotation files or WebDataset shards (`dataflow/sources.py` decides, `dataflow/webdataset.py` splits a shard). A
 `BatchLoader` actor drives the stream, packs each global batch into token-budget micro-batches and
 `ray.put`s the vision part and the text part separately, so the driver receives only object references
 and scalar metadata (invariant 3): the vision pool is handed the vision refs, the text pool the text refs.
@@ -16,19 +16,22 @@ into several files (`data.train` takes a comma-separated list).
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
+from ray.data._internal.logical.interfaces import LogicalPlan
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
-from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
-from dhp.dataflow.sources import Jsonl
+from dhp.dataflow.preprocess import PreprocessSettings, decode_sample, preprocess_row
+from dhp.dataflow.sources import Jsonl, split_batch
 from dhp.dataflow.storage import filesystem_of_all, scheme_of
 
+ROWS_PER_TASK = 16  # records per preprocessing task (small_blocks): 4 and 64 measured slower here
+SPLIT_CPUS = 0.05  # Ray CPU asked by the file -> records split (and the cutting fused into it): mostly I/O
 MAX_SKIP_EXAMPLES = 50  # examples in the run summary; every skipped record goes to RUN_DIR/quarantine.jsonl
 
 
@@ -114,6 +117,22 @@ def reshard_positions(states: list[dict[str, Any]], n: int) -> list[dict[str, An
     ]
 
 
+def small_blocks(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
+    """Cut `ds`'s blocks into blocks of about `rows` rows, streaming and order kept (Ray Data's streaming
+    repartition), fused into the split before it.
+
+    Why: a file's records leave the split as one block, and a block is one preprocessing task, so one annotation
+    file would be preprocessed by one worker however many `data.preprocess_workers` there are, and its first
+    sample would wait for the whole file. Why not plain `ds.repartition(target_num_rows_per_block=rows)`: its
+    tasks ask Ray for a whole CPU (the API takes no resources), which a trainer whose stage actors hold the CPUs
+    never has -- the stream waits forever. So the same logical operator is built with the split's small CPU
+    request, which also lets Ray Data fuse the two (equal resources, MapBatches -> StreamingRepartition).
+    """
+    cut = ds.repartition(target_num_rows_per_block=rows)
+    op = dataclasses.replace(cut._logical_plan.dag, ray_remote_args={"num_cpus": SPLIT_CPUS})
+    return ray.data.Dataset._from_parent(cut, LogicalPlan(op, cut.context))
+
+
 def build_dataset(
     paths: list[str], settings: PreprocessSettings, model_config: Any, workers: int, num_cpus: float,
     seed: int | None, replica: int = 0, num_replicas: int = 1,
@@ -122,6 +141,8 @@ def build_dataset(
     ctx.execution_options.preserve_order = True  # same seed -> same batches, across runs and resumes
     ctx.enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-epoch execution plans are noise here
+    # ... and so is its notice, once per loader process, that the progress bars are off (they are, on purpose).
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     # Small CPU requests: Ray Data's default of one CPU per task would wait forever on a small machine
     # whose CPUs are held by the stage actors.
     # Local files and s3:// objects alike: one pyarrow filesystem, which Ray pickles to the read tasks
@@ -132,20 +153,13 @@ def build_dataset(
     prefix = f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else ""
     split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix,
                   **records.split_kwargs(fs)}
-    ds = ds.flat_map(records.split, fn_kwargs=split_args, num_cpus=0.05)
-    # Ray Data's default (restart forever) makes Ray log an ERROR on every run: the map actor's constructor takes
-    # an object-store argument of Ray Data's own, and such a restart cannot work (ray#53727, #57733). With
-    # max_restarts=0 (the opt-out Ray Data's actor pool names; passed as a remote arg, which 2.60 calls
-    # deprecated without a named replacement) a dying preprocessing actor fails the read, which is reported.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-        return ds.map(
-            Preprocessor,
-            fn_constructor_args=(settings, model_config),
-            compute=ray.data.ActorPoolStrategy(size=workers),
-            num_cpus=num_cpus,
-            max_restarts=0,
-        )
+    ds = ds.map_batches(split_batch, batch_size=1, fn_kwargs={"split": records.split, **split_args},
+                        num_cpus=SPLIT_CPUS)
+    ds = small_blocks(ds, ROWS_PER_TASK)
+    # A task-based map whose preprocessor is built once per worker process (`preprocess_row`): an actor pool
+    # would be rebuilt, imports and tokenizer included, for every epoch's dataset.
+    return ds.map(preprocess_row, fn_kwargs={"settings": settings, "model_config": model_config},
+                  num_cpus=num_cpus, compute=ray.data.TaskPoolStrategy(size=workers))
 
 
 class BatchLoader:
@@ -166,6 +180,7 @@ class BatchLoader:
         self.cursor = 0  # rows (good or skipped) consumed in this epoch: the data position
         self.source = ""  # the last consumed row's source (file:line, shard:key): the position, for people
         self.skip_to = 0  # after `restore`: rows of the epoch already trained on
+        self.ahead: dict[str, Any] | None = None  # the row `start` read, not yet handed out
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
@@ -175,14 +190,25 @@ class BatchLoader:
         return {"epoch": self.epoch, "cursor": self.cursor, "source": self.source, "good": self.good,
                 "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples)}
 
+    def start(self) -> None:
+        """Start the stream and wait for its first row: Ray Data's start-up and the preprocessing processes'
+        imports (seconds, `dhp bench data`) then overlap whatever the caller does meanwhile (the trainer builds
+        its pools). A `restore` afterwards drops this stream and starts the restored one."""
+        if self.ahead is None and not self.exhausted:
+            self.ahead = self._next_row()
+
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after the batch whose `state()` this is. The epoch's order is deterministic (seeded
         shuffle, order-preserving Ray Data), so the rows before the cursor are read again and dropped."""
         self.epoch, self.skip_to, self.cursor, self.rows = state["epoch"], state["cursor"], 0, None
+        self.ahead = None
         self.good, self.skipped = state["good"], Counter(state["skipped"])
         self.skip_examples = list(state["skip_examples"])
 
     def _next_row(self) -> dict[str, Any] | None:
+        if self.ahead is not None:
+            row, self.ahead = self.ahead, None
+            return row
         while not self.exhausted:
             if self.rows is None:
                 seed = None if self.seed is None else self.seed + self.epoch

@@ -119,6 +119,18 @@ def split_records(
 
 
 
+def split_batch(batch: dict[str, Any], split: Any, **kwargs: Any) -> dict[str, list]:
+    """A format's `split` as a Ray Data `map_batches` function: the file rows of `batch` (columns) -> all their
+    record rows (columns). map_batches rather than flat_map because only a MapBatches fuses with the streaming
+    repartition after it (loader.build_dataset): fused, the cutting into small blocks runs in these tasks, with
+    their small CPU request, instead of as tasks of its own that ask a whole CPU a busy trainer does not have."""
+    n = len(next(iter(batch.values()))) if batch else 0
+    rows = [r for i in range(n) for r in split({k: v[i] for k, v in batch.items()}, **kwargs)]
+    if not rows:
+        return {"source": [], "record": []}
+    return {k: [r[k] for r in rows] for k in rows[0]}
+
+
 @dataclass(frozen=True)
 class Jsonl:
     """LLaVA-style annotation files (JSON array or JSONL), images as files beside them or URIs."""

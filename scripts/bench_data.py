@@ -7,7 +7,10 @@ On the synthetic captioning set (real PNGs, the real tokenizer and image process
                            `workers` Preprocessor actors), local files; `ray_data_s3_samples_per_s` the same
                            files from s3:// on a real S3 HTTP endpoint (moto's server, 127.0.0.1). Steady
                            state: the records of the `repeat`x stream beyond the 1x one, over the extra time
-                           (start-up cancels; `ray_data_startup_s` is reported on its own).
+                           (start-up cancels), after one untimed stream that warms the processes (`steady`).
+  ray_data_startup_s       seconds from a stream's start to its first row in a running session (what each
+                           epoch, resume and evaluation pass costs; goal <= 5 s); `ray_data_cold_start_s` the
+                           same for the session's first stream (fresh processes import and build).
   *_vision_tokens_per_s    the same in merged vision tokens (what the text stage receives).
   memory                   the stream re-run over `repeat`x more records with the object store capped at
                            `object_store_mb`: peak memory (PSS of the Ray processes and this one) stays
@@ -16,7 +19,9 @@ On the synthetic captioning set (real PNGs, the real tokenizer and image process
                            shard, then `repeat` shards, through the WebDataset reader (dataflow/webdataset.py):
                            steady samples/s and the same peak-memory check as `memory`.
   data_wait_fraction       a real tiny `dhp train` run: time the driver waited for the next global batch /
-                           (wait + step time), over the steps after the first (goal <= 5 %).
+                           (wait + step time), over the steps after the first (goal <= 5 %);
+                           `first_step_data_wait_s` the first step's wait (the streams start while the pools
+                           build, `BatchLoader.start`, so it is the start-up a user would see).
 Writes one JSON row and prints a short table. Timings are this machine's (2 cores): pipeline workers and the
 baseline share them.
 """
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 GOAL_WAIT = 0.05
+GOAL_STARTUP_S = 5.0
 FULL = dict(samples=192, repeat=4, workers=2, object_store_mb=80, train_steps=30)
 QUICK = dict(samples=12, repeat=2, workers=1, object_store_mb=80, train_steps=4)
 
@@ -116,24 +122,31 @@ def ray_data(paths: list[str], root: str, workers: int, storage: Any = None, rec
     start = time.perf_counter()
     ds = build_dataset(paths, _settings(root, storage, records), _model_config(), workers=workers, num_cpus=0.5,
                        seed=None)
-    n, vision, streamed = 0, 0, 0
+    n, vision, streamed, first = 0, 0, 0, None
     for row in ds.iter_rows():
+        first = first or time.perf_counter() - start
         if row["error"]:
             continue
         n += 1
         streamed += len(row["sample"])
         vision += int(decode_sample(row["sample"])["image_grid_thw"].prod(-1).sum()) // 4
-    return {"seconds": time.perf_counter() - start, "samples": n, "vision_tokens": vision, "streamed_bytes": streamed}
+    return {"seconds": time.perf_counter() - start, "first_row_s": first, "samples": n, "vision_tokens": vision,
+            "streamed_bytes": streamed}
 
 
-def steady_rate(short: dict[str, float], long: dict[str, float]) -> dict[str, float]:
-    """Throughput of the records the long stream has beyond the short one: start-up (Ray Data's actors,
-    the first block's latency) is in both runs and cancels; a one-file stream arrives in a few large
-    blocks, so timing from the first row would leave most of the work out."""
-    dt, extra = max(long["seconds"] - short["seconds"], 1e-9), long["samples"] - short["samples"]
-    return {"samples_per_s": extra / dt,
-            "vision_tokens_per_s": (long["vision_tokens"] - short["vision_tokens"]) / dt,
-            "startup_s": max(0.0, short["seconds"] - dt * short["samples"] / max(extra, 1))}
+def steady(stream: Any, short: Any, long: Any) -> dict[str, Any]:
+    """Steady throughput and start-up of `stream(paths)`: `short` once to warm this configuration's processes
+    (its first-row latency is the cold start: fresh worker processes importing and building the preprocessor),
+    then `short` and `long` again. Throughput counts the records the long stream has beyond the short one over
+    the extra time, so the start-up both pay cancels (a one-file stream arrives in a few large blocks: timing
+    from its first row would leave most of the work out); the start-up is the warm short run's first row: what
+    a stream costs in a running trainer (each epoch, resume, evaluation)."""
+    cold = stream(short)
+    runs = [stream(short), stream(long)]
+    dt, extra = max(runs[1]["seconds"] - runs[0]["seconds"], 1e-9), runs[1]["samples"] - runs[0]["samples"]
+    vision = runs[1]["vision_tokens"] - runs[0]["vision_tokens"]
+    return {"samples_per_s": extra / dt, "vision_tokens_per_s": vision / dt,
+            "startup_s": runs[0]["first_row_s"], "cold_start_s": cold["first_row_s"], "runs": runs}
 
 
 def repeated(train: Path, times: int, out: Path) -> Path:
@@ -196,10 +209,12 @@ def training_wait(data_dir: Path, out_dir: Path, steps: int) -> dict[str, float]
                                f"data.synthetic.dir={data_dir}", f"output.dir={out_dir}", "output.name=run",
                                "output.save_final_checkpoint=false", "output.tensorboard=false"])
     train(cfg)
-    rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, rows = rows[0]["data_wait_s"], rows[1:]
     wait = sum(r["data_wait_s"] for r in rows)
     busy = sum(r["step_time_s"] for r in rows)
     return {"data_wait_fraction": wait / max(wait + busy, 1e-9), "train_steps_measured": len(rows),
+            "first_step_data_wait_s": first,
             "median_step_s": statistics.median(r["step_time_s"] for r in rows) if rows else 0.0}
 
 
@@ -233,31 +248,30 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
         storage = upload(synth.out_dir, f"http://{host}:{port}", "bench")
         big = repeated(train, sizes["repeat"], work / "repeated.jsonl")
         upload_file(big, f"http://{host}:{port}", "bench", "synth/repeated.jsonl")
-        memory, runs = [], {}
-        for path in (train, big):  # local: throughput, and peak memory against the stream's length
-            with PeakMemory() as peak:
-                runs[path] = ray_data([str(path)], root, sizes["workers"])
-            memory.append({"records": runs[path]["samples"], "streamed_mb": runs[path]["streamed_bytes"] / 2**20,
-                           "peak_pss_mb": peak.peak / 2**20})
-        local = steady_rate(runs[train], runs[big])
         from dhp.dataflow.sources import WebDataset
 
-        shards, wds_memory, wds_runs = shards_of(train, synth.out_dir, sizes["repeat"], work / "shards"), [], []
-        for paths in (shards[:1], shards):  # the same check on shards: memory flat as the stream grows
+        def measured(paths: list[Path], **kw: Any) -> dict[str, Any]:  # one stream, with its peak memory
             with PeakMemory() as peak:
-                wds_runs.append(ray_data([str(p) for p in paths], root, sizes["workers"],
-                                         records=WebDataset("<image>\nDescribe this image.", "txt")))
-            wds_memory.append({"records": wds_runs[-1]["samples"], "peak_pss_mb": peak.peak / 2**20,
-                               "streamed_mb": wds_runs[-1]["streamed_bytes"] / 2**20})
-        wds = steady_rate(*wds_runs)
+                out = ray_data([str(p) for p in paths], root, sizes["workers"], **kw)
+            return out | {"peak_pss_mb": peak.peak / 2**20, "streamed_mb": out["streamed_bytes"] / 2**20}
+
+        def memory_of(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:  # peak memory against stream length
+            return [{"records": r["samples"], "streamed_mb": r["streamed_mb"], "peak_pss_mb": r["peak_pss_mb"]}
+                    for r in runs]
+
+        local = steady(measured, [train], [big])
+        shards = shards_of(train, synth.out_dir, sizes["repeat"], work / "shards")
+        wds_format = WebDataset("<image>\nDescribe this image.", "txt")
+        wds = steady(lambda paths: measured(paths, records=wds_format), shards[:1], shards)
+        memory, wds_memory = memory_of(local["runs"]), memory_of(wds["runs"])
         row.update(webdataset_samples_per_s=wds["samples_per_s"], webdataset_startup_s=wds["startup_s"],
                    webdataset_memory=wds_memory,
                    webdataset_peak_growth=wds_memory[-1]["peak_pss_mb"] / max(wds_memory[0]["peak_pss_mb"], 1e-9))
-        s3 = steady_rate(*(ray_data([f"s3://bench/synth/{p.name}"], "s3://bench/synth", sizes["workers"], storage)
-                           for p in (train, big)))
+        s3 = steady(lambda paths: ray_data([f"s3://bench/synth/{p.name}" for p in paths], "s3://bench/synth",
+                                           sizes["workers"], storage), [train], [big])
         row.update(ray_data_samples_per_s=local["samples_per_s"], ray_data_vision_tokens_per_s=local[
-            "vision_tokens_per_s"], ray_data_startup_s=local["startup_s"], ray_data_s3_samples_per_s=s3[
-            "samples_per_s"], ray_data_s3_vision_tokens_per_s=s3["vision_tokens_per_s"],
+            "vision_tokens_per_s"], ray_data_startup_s=local["startup_s"], ray_data_cold_start_s=local["cold_start_s"],
+            ray_data_s3_samples_per_s=s3["samples_per_s"], ray_data_s3_vision_tokens_per_s=s3["vision_tokens_per_s"],
             object_store_mb=round(store_mb), memory=memory,
             streamed_over_object_store=memory[-1]["streamed_mb"] / max(store_mb, 1e-9),
             peak_growth=memory[-1]["peak_pss_mb"] / max(memory[0]["peak_pss_mb"], 1e-9))
@@ -272,7 +286,9 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
                 os.environ[key] = value
     row.update(training_wait(work / "synth", work / "runs", sizes["train_steps"]))
     row["speedup_over_baseline"] = row["ray_data_samples_per_s"] / row["baseline_samples_per_s"]
-    row["goal"] = {"data_wait_fraction": row["data_wait_fraction"] <= GOAL_WAIT}
+    row["goal"] = {"data_wait_fraction": row["data_wait_fraction"] <= GOAL_WAIT,
+                   "ray_data_startup_s": row["ray_data_startup_s"] <= GOAL_STARTUP_S,
+                   "first_step_data_wait_s": row["first_step_data_wait_s"] <= GOAL_STARTUP_S}
     return row
 
 
@@ -289,6 +305,9 @@ def table(row: dict[str, Any]) -> str:
         for m in row[key]:
             lines.append(f"streamed {m['records']:5d} {kind} = {m['streamed_mb']:7.1f} MiB through a "
                          f"{row['object_store_mb']} MiB object store: peak PSS {m['peak_pss_mb']:7.1f} MiB")
+    lines.append(f"a stream's first row after {row['ray_data_startup_s']:.2f} s (the session's first stream: "
+                 f"{row['ray_data_cold_start_s']:.2f} s; goal <= {GOAL_STARTUP_S:g} s); training's first step "
+                 f"waited {row['first_step_data_wait_s']:.2f} s for data")
     lines.append(f"training waited for data {row['data_wait_fraction']:.1%} of step time "
                  f"(goal <= {GOAL_WAIT:.0%}) over {row['train_steps_measured']} steps")
     return "\n".join(lines)

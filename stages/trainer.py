@@ -88,18 +88,9 @@ class Trainer:
             storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
             records=record_format(d, train_paths or []),  # JSONL or WebDataset shards (dataflow/sources.py)
         )
-        # Pools first: their rendezvous needs every rank placed at once, while the loaders' Ray Data
-        # work can wait for whatever CPU is left.
         check_resources(cfg)
-        self.placement = place_pools(cfg)
-        self.vision = self._pool("vision", VisionPool, VisionWorker)
-        self.text = self._pool("text", TextPool, TextWorker)
-        where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
-        print(describe(self.placement, where), flush=True)
-        self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
-        self.step = 0
-        loader_cls = ray.remote(num_cpus=LOADER_CPUS)(BatchLoader)
         self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
+        loader_cls = ray.remote(num_cpus=LOADER_CPUS)(BatchLoader)
         common = dict(
             settings=settings,
             model_config=self.model_config,
@@ -107,7 +98,7 @@ class Trainer:
             microbatch_tokens=d.microbatch_tokens,
             workers=d.preprocess_workers,
             num_cpus=d.preprocess_num_cpus,
-            vision_sp=self.vision.layout.loader_shards,
+            vision_sp=stage_layout(cfg, "vision", self.model_config).loader_shards,
         )
         self.loaders = [  # one disjoint sample stream per data-parallel replica
             loader_cls.remote(train_paths, seed=d.shuffle_seed, replica=r, num_replicas=self.dp, **common)
@@ -117,6 +108,19 @@ class Trainer:
         evals = common | {"global_batch_size": cfg.training.global_batch_size,
                           "settings": dataclasses.replace(settings, records=record_format(d, eval_paths or []))}
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **evals) if eval_paths else None
+        # The streams start while the pools build: Ray Data's start-up and the preprocessing processes' imports
+        # (~5 s on 2 cores, `dhp bench data`) would otherwise be the first step's wait for data. The pools'
+        # placement groups are reserved first all the same (their rendezvous needs every rank placed at once),
+        # and `check_resources` left CPU for the data work beside them.
+        self.placement = place_pools(cfg)
+        started = [loader.start.remote() for loader in [*self.loaders, *([self.eval_loader] if eval_paths else [])]]
+        self.vision = self._pool("vision", VisionPool, VisionWorker)
+        self.text = self._pool("text", TextPool, TextWorker)
+        ray.get(started)  # a stream that cannot start (no usable sample, a bad tokenizer) fails here, at start
+        where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
+        print(describe(self.placement, where), flush=True)
+        self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
+        self.step = 0
         self._eval_batches: list[GlobalBatch] | None = None
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):

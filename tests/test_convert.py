@@ -137,7 +137,8 @@ def test_coco_output_preprocesses(coco, tmp_path, capsys):
         assert sample["image_grid_thw"].shape == (1, 3)
         assert (sample["input_ids"] == pre.pad_id).sum() == sample["image_grid_thw"].prod() // 4
         labelled = sample["input_ids"][sample["labels"] != IGNORE_INDEX]
-        assert pre.tokenizer.decode(labelled.tolist()) == expected["conversations"][1]["value"] + "<|im_end|>"
+        reply = pre.tokenizer.decode(labelled.tolist(), skip_special_tokens=False)
+        assert reply == expected["conversations"][1]["value"] + "<|im_end|>"
 
 
 @pytest.mark.parametrize("case, message", [

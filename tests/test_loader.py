@@ -119,3 +119,22 @@ def test_replicas_get_disjoint_records_covering_the_file():
     assert all(len(s) in (3, 4) for s in sources)
     assert split_records(row, seed=5, replica=1, num_replicas=3) == parts[1]  # deterministic per epoch seed
     assert split_records(row, seed=6, replica=1, num_replicas=3) != parts[1]
+
+
+def test_small_blocks_cuts_one_file_block_without_a_free_cpu(ray_session):
+    """One file's records arrive as one block; `small_blocks` must cut it (order kept) so several preprocessing
+    tasks share the file, and must do so while the stage actors hold every whole CPU (plain
+    `Dataset.repartition` asks one CPU per task and would wait forever here)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from dhp.dataflow.loader import small_blocks
+
+    held = placement_group([{"CPU": ray.available_resources()["CPU"] - 0.5}])
+    ray.get(held.ready(), timeout=30)
+    try:
+        one_block = ray.data.from_items([{"i": i} for i in range(40)], override_num_blocks=1)
+        cut = small_blocks(one_block, 16).materialize()
+        assert cut.num_blocks() == 3
+        assert [r["i"] for r in cut.iter_rows()] == list(range(40))
+    finally:
+        remove_placement_group(held)
