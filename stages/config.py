@@ -84,7 +84,7 @@ class DataConfig:
     max_pixels: int = 224 * 224  # smart_resize upper bound; larger images are resized down
     max_seq_len: int = 2048  # longest sample in tokens (vision + text); longer ones are skipped
     microbatch_tokens: int = 2048  # token budget of one micro-batch (batch x padded length)
-    preprocess_workers: int = 1  # Ray Data actors running decode/resize/patchify/tokenize
+    preprocess_workers: int = 1  # Ray Data tasks at a time running decode/resize/patchify/tokenize
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
     shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle
     synthetic: SynthConfig = field(default_factory=SynthConfig)
