@@ -15,9 +15,9 @@ into several files (`data.train` takes a comma-separated list).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -18,6 +18,7 @@
     dhp bench checkpointing [--json PATH] [--quick]           (activation checkpointing: bytes saved, time cost)
     dhp bench ops [--json PATH] [--quick]                     (op / collective / transfer rates: a time-model profile)
     dhp bench time-model [--json PATH] [--profile P] [--quick]  (the plan's step time against measured steps)
+    dhp bench peers [--json PATH] [--quick] [--ranks N]       (vs DeepSpeed ZeRO-3 and uniform TP: speed, longest image)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -115,12 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
     from dhp.scripts.bench_memory import add_parser as add_memory
     from dhp.scripts.bench_ops import add_parser as add_ops
+    from dhp.scripts.bench_peers import add_parser as add_peers
     from dhp.scripts.bench_time_model import add_parser as add_time_model
 
     add_memory(bench)
     add_checkpointing(bench)
     add_ops(bench)
     add_time_model(bench)
+    add_peers(bench)
     return p
 
 
@@ -212,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_time_model import main as bench_time_model
 
             return bench_time_model(args)
+        elif args.command == "bench" and args.bench_command == "peers":
+            from dhp.scripts.bench_peers import main as bench_peers
+
+            return bench_peers(args)
         elif args.command == "bench" and args.bench_command == "data":
             from dhp.scripts.bench_data import main as bench_data
 

@@ -7,6 +7,7 @@ the same shape and order, so the vision stage can apply it to the tensor it prod
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -25,7 +26,9 @@ class TextWorker(StageWorker):
 
     def _measuring_changed(self, on: bool) -> None:
         """The decoder (embedding output to final norm) only: the logits of the labelled positions are the
-        plan's transients, not activations."""
+        plan's transients, not activations. `forward_backward` adds `step_bytes` to each record: the same plus
+        what the rest of the forward keeps (embedding lookup, logits, loss), which `dhp bench peers` compares
+        with a whole-model peer."""
         for h in getattr(self, "_measure_hooks", []):
             h.remove()
         self._measure_hooks = []
@@ -88,7 +91,11 @@ class TextWorker(StageWorker):
         if inputs is None:  # padding for a lockstep (ZeRO-3) replica: no data, every collective
             inputs, loss_scale = self._null_inputs(), 0.0
         received = [s.to(self.device).requires_grad_(send_grads) for s in shards]
-        loss = self._loss_sum(inputs, received) * loss_scale
+        measuring = self._measured is not None
+        with SavedBytes(self.model) if measuring else contextlib.nullcontext() as outside:
+            loss = self._loss_sum(inputs, received) * loss_scale
+        if measuring and self._measured:  # + what the decoder's own hooks did not see: embeddings, logits, loss
+            self._measured[-1]["step_bytes"] = self._measured[-1]["bytes"] + outside.total
         loss.backward()
         if not send_grads:
             return float(loss.detach())

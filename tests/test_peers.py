@@ -12,7 +12,7 @@ import json
 import torch
 
 from dhp.dataflow.loader import GlobalBatch
-from dhp.scripts.peers.deepspeed_zero3 import CONFIG, fill_auto, launch
+from dhp.scripts.peers.deepspeed_zero3 import CONFIG, _extensions, fill_auto, launch
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
 from tests.test_parity import BASE, _microbatch
@@ -31,10 +31,12 @@ def test_deepspeed_zero3_first_loss_equals_dhp(parity_setup, ray_session, tmp_pa
     _, ckpt, samples = parity_setup
     pair = samples[:2]  # rank r trains sample r at step 0
     torch.save(pair, tmp_path / "samples.pt")
+    built = _extensions()
     peer = launch(2, ["--model", str(ckpt), "--samples", str(tmp_path / "samples.pt"),
                       "--out", str(tmp_path / "peer.json"), "--steps", "1"])
     assert peer["world"] == 2 and peer["config"]["zero_optimization"]["stage"] == 3
-    assert peer["jit_built"] == [] and peer["initialize_s"] > 0  # reported, whatever it is
+    # the first run on a machine JIT-builds DeepSpeed's CPU comm op: reported, never hidden
+    assert set(peer["jit_built"]) == _extensions() - built and peer["initialize_s"] > 0
     assert all(r["peak_saved_bytes"] > 0 for r in peer["ranks"])
 
     longest = max(s["input_ids"].shape[0] for s in pair)

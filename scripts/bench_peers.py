@@ -1,0 +1,266 @@
+"""`dhp bench peers`: dhp next to what users run instead, on the same model, data and per-rank memory cap.
+
+    dhp bench peers --json runs/bench/peers.json [--quick] [--ranks N] [--cap-gib G]
+
+Systems, each with N ranks (N = 4; `--quick`: 2):
+  deepspeed zero3                    transformers' Qwen2_5_VLForConditionalGeneration under DeepSpeed's own ZeRO-3
+                                     engine as qwen-vl-finetune runs it (scripts/peers/deepspeed_zero3.py): N
+                                     processes, each a data-parallel replica holding both stages, micro-batch 1.
+  dhp zero3 / zero3                  dhp's FSDP2 layout on both pools (N vision + N text actors).
+  dhp tensor / tensor                uniform tensor parallelism, degree N on both pools: the seeds' baseline.
+  dhp sequence / tensor, serial      Ulysses SP N on the vision pool, TP N on the text pool: the mission's layout,
+  dhp sequence / tensor, pipelined   micro-batches in order, then with the vision forward of n+1 overlapping n.
+"N ranks" is N processes per pool: dhp gives each module its own pool (its own GPUs on a cluster), so a dhp
+rank holds one stage, a DeepSpeed rank both.
+
+Model (`bench_config`): a ViT with the released block structure at a quarter of its width (16 blocks, full
+attention in 7 and 15 = the released 1 in 8, 16 heads, D 256, I 684) before the tiny text stage (4 layers, the
+real vocabulary); one seeded checkpoint every system loads. fp32, activation checkpointing on everywhere
+(qwen-vl-finetune's `--gradient_checkpointing`; dhp's `activation_checkpointing=full`). One global batch = N
+one-image samples of the same image.
+
+Per system: the median step time at the fixed image (`--side` px) and its vision tokens/s (ViT patches per
+second: N images a step), peak activation bytes (what autograd keeps for backward, `SavedBytes`) and peak RSS
+per rank, and the largest image it trains under the per-rank cap. The cap is enforced by measurement: a rank's
+bytes are its model state (parameters + gradients + Adam moments, as that rank holds them) plus the bytes its
+autograd kept in that step (measured per rank with saved-tensor hooks); a probe whose worst rank exceeds the cap
+does not fit. Process RSS is reported but not capped: on CPU it is mostly libraries (~0.9 GB a process), not
+what a GPU would hold. The search climbs sides ~sqrt(2) apart and bisects the last gap twice
+(scripts/peers/probe.py); the pipelined order is timed only (it keeps up to `pipeline.max_in_flight`
+micro-batches' activations alive, which the serial search does not measure).
+
+Timings here are CPU timings on a 2-core machine with 2N + 1 processes, labelled so in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+N_RANKS = 4
+BASE = ["vision.num_cpus_per_actor=0.25", "text.num_cpus_per_actor=0.25", "training.warmup_steps=0",
+        "vision.activation_checkpointing=full", "text.activation_checkpointing=full"]
+SERIAL, PIPELINED = ["pipeline.max_in_flight=1"], ["pipeline.max_in_flight=3"]
+GOAL_LONGER = 4.0  # dhp sequence / tensor trains images >= this many times longer than DeepSpeed ZeRO-3
+
+
+def systems(n: int) -> dict[str, list[str] | None]:
+    sp = ["vision.parallelism=sequence", f"vision.num_actors={n}", f"vision.degree={n}"]
+    vtp = ["vision.parallelism=tensor", f"vision.num_actors={n}", f"vision.degree={n}"]
+    tp = ["text.parallelism=tensor", f"text.num_actors={n}", f"text.degree={n}"]
+    zero3 = ["vision.parallelism=zero3", f"vision.num_actors={n}", "vision.degree=1",
+             "text.parallelism=zero3", f"text.num_actors={n}", "text.degree=1"]
+    return {
+        "deepspeed zero3": None,
+        "dhp zero3 / zero3": zero3 + SERIAL,
+        "dhp tensor / tensor": vtp + tp + SERIAL,
+        "dhp sequence / tensor, serial": sp + tp + SERIAL,
+        "dhp sequence / tensor, pipelined": sp + tp + PIPELINED,
+    }
+
+
+def bench_config():
+    """The tiny text stage (4 layers, the real vocabulary) behind a ViT with the released block structure at a
+    quarter of its width: 16 blocks, full attention in 7 and 15 (the released 1 in 8), 16 heads, D 256 and
+    I 684 (the released I/D ratio), as `dhp bench layouts` measures it."""
+    from dhp.scripts.bench_checkpointing import deep_config
+
+    config = deep_config(text_layers=4, vision_depth=16)
+    v = config.vision_config
+    v.hidden_size, v.intermediate_size, v.num_heads, v.fullatt_block_indexes = 256, 684, 16, [7, 15]
+    return config
+
+
+def _rank_memory(worker: Any) -> dict[str, int]:
+    """Runs inside a stage actor: its model state (parameters, gradients of the same size, Adam moments) and
+    its process's peak RSS."""
+    state = worker.state_bytes()
+    return {"state": 2 * state["params"] + state["optimizer"],
+            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict, sides: list[int], cap: int,
+            steps: int, work: Path) -> dict[str, Any]:
+    import ray
+
+    from dhp.scripts.bench_time_model import _global_batches
+    from dhp.scripts.peers.probe import image_sample, largest_fitting, patches
+    from dhp.stages.config import load_config
+    from dhp.stages.trainer import Trainer
+
+    longest = patches(max(sides, default=0)) // 4 + 256 if sides else len(timing["input_ids"])
+    cfg = load_config("tiny", BASE + overrides + [
+        f"model.path={ckpt}", f"data.microbatch_tokens={longest}", f"data.max_seq_len={longest}",
+        f"training.global_batch_size={n}"])
+    trainer = Trainer(cfg, model_config=config)
+    try:
+        actors = [a for _, pool in trainer.pools() for a in pool.actors]
+
+        def measured_step(sample: dict) -> tuple[int, int]:
+            """One step on `sample`: (worst rank's state + kept bytes, worst rank's kept bytes)."""
+            ray.get([a.measure_activations.remote(True) for a in actors])
+            trainer.train_step(_global_batches(sample, cfg, config, n // trainer.dp, trainer.dp))
+            kept = [max((r.get("step_bytes", r["bytes"]) for r in recs), default=0)  # text: logits and loss too
+                    for recs in ray.get([a.measure_activations.remote(False) for a in actors])]
+            state = [m["state"] for m in ray.get([a.__ray_call__.remote(_rank_memory) for a in actors])]
+            return max(s + k for s, k in zip(state, kept)), max(kept)
+
+        batches = _global_batches(timing, cfg, config, n // trainer.dp, trainer.dp)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            trainer.train_step(batches)
+            times.append(time.perf_counter() - start)
+        _, kept = measured_step(timing)
+        probes: list[dict[str, int]] = []
+
+        def fits(side: int) -> bool:
+            peak, _ = measured_step(image_sample(config, side, work / "images"))
+            probes.append({"side": side, "patches": patches(side), "peak_bytes": peak})
+            return peak <= cap
+
+        largest = largest_fitting(fits, sides) if sides and SERIAL[0] in overrides else None
+        memory = ray.get([a.__ray_call__.remote(_rank_memory) for a in actors])
+    finally:
+        trainer.shutdown()
+    return {"step_s": statistics.median(times[1:] or times), "steps_s": times, "peak_activation_bytes": kept,
+            "peak_rss_bytes": max(m["rss"] for m in memory), "state_bytes": max(m["state"] for m in memory),
+            "probes": probes, "largest_side": largest}
+
+
+def run_deepspeed(n: int, ckpt: Path, timing: dict, sides: list[int], cap: int, steps: int,
+                  work: Path) -> dict[str, Any]:
+    import torch
+
+    from dhp.scripts.peers.deepspeed_zero3 import launch
+
+    torch.save([timing], work / "timing.pt")
+    out = launch(n, ["--model", str(ckpt), "--samples", str(work / "timing.pt"), "--out", str(work / "ds.json"),
+                     "--steps", str(steps + 1), "--activation-checkpointing", "--cap-bytes", str(cap),
+                     "--probe-sides", ",".join(map(str, sides)), "--work", str(work / "ds-images")])
+    times = [s["seconds"] for s in out["steps"] if not s["measured"]]
+    return {"step_s": statistics.median(times[1:] or times), "steps_s": times,
+            "peak_activation_bytes": max(r["peak_saved_bytes"] for r in out["ranks"]),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in out["ranks"]),
+            "state_bytes": out["state_bytes_per_rank"], "probes": out["probes"], "largest_side": out["largest_side"],
+            "initialize_s": out["initialize_s"], "jit_built": out["jit_built"], "deepspeed": out["deepspeed"],
+            "config": out["config"]}
+
+
+def run(quick: bool, n: int | None = None, cap_gib: float | None = None) -> dict[str, Any]:
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from dhp.scripts.peers.probe import image_sample, ladder, patches
+    from dhp.stages.config import load_config
+    from dhp.stages.driver import init_ray
+
+    n = n or (2 if quick else N_RANKS)
+    side = 112 if quick else 224
+    sides = ladder(112, 336 if quick else 1568)
+    cap = int((cap_gib or (0.35 if quick else 0.2)) * 2**30)
+    steps = 2 if quick else 3
+    config = bench_config()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dhp-peers-") as tmp:
+        work = Path(tmp)
+        torch.manual_seed(0)
+        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(work / "ckpt")
+        timing = image_sample(config, side, work / "images")
+        init_ray(load_config("tiny", [f"ray.num_cpus={max(8, 2 * n + 2)}"]))
+        for name, overrides in systems(n).items():
+            start = time.perf_counter()
+            row = (run_deepspeed(n, work / "ckpt", timing, sides, cap, steps, work) if overrides is None
+                   else run_dhp(overrides, n, work / "ckpt", config, timing, sides, cap, steps, work))
+            row.update(name=name, wall_s=time.perf_counter() - start,
+                       vision_tokens_per_s=n * patches(side) / row["step_s"],
+                       largest_patches=patches(row["largest_side"]) if row["largest_side"] else None)
+            results[name] = row
+            print(f"  {name}: {row['step_s']:.2f} s/step, largest {row['largest_patches']} patches", flush=True)
+    ds = results["deepspeed zero3"]["largest_patches"]
+    mine = results["dhp sequence / tensor, serial"]["largest_patches"]
+    longer = mine / ds if ds and mine else None
+    uniform = results["dhp tensor / tensor"]
+    return {
+        "device": f"cpu ({platform.machine()}, CPU timings)", "ranks": n, "quick": quick,
+        "image_side_px": side, "image_patches": patches(side), "sides_searched": sides, "cap_bytes": cap,
+        "cap_rule": "per rank: model state (params + grads + Adam moments as that rank holds them) + bytes its "
+                    "autograd kept in the step (saved-tensor hooks); a probe fits when its worst rank is within",
+        "model": {"vision_depth": config.vision_config.depth, "fullatt": config.vision_config.fullatt_block_indexes,
+                  "text_layers": config.text_config.num_hidden_layers, "precision": "fp32",
+                  "activation_checkpointing": "full"},
+        "systems": list(results.values()),
+        "goals": {
+            "longer_than_deepspeed": longer, "longer_goal": GOAL_LONGER,
+            "longer_met": (longer or 0) >= GOAL_LONGER,
+            "sp_tp_not_slower_than_uniform_tp": all(
+                results[k]["step_s"] <= uniform["step_s"] * 1.05
+                for k in ("dhp sequence / tensor, serial", "dhp sequence / tensor, pipelined")),
+        },
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{result['ranks']} ranks, {result['image_patches']}-patch image, cap "
+             f"{result['cap_bytes'] / 2**30:.2f} GiB per rank, {result['device']}",
+             f"{'system':34} {'step s':>7} {'vis tok/s':>9} {'act MiB':>8} {'RSS MiB':>8} {'largest':>8}"]
+    for r in result["systems"]:
+        largest = r["largest_patches"] if r["largest_patches"] else "-"
+        lines.append(f"{r['name']:34} {r['step_s']:7.2f} {r['vision_tokens_per_s']:9.0f} "
+                     f"{r['peak_activation_bytes'] / 2**20:8.1f} {r['peak_rss_bytes'] / 2**20:8.0f} {largest:>8}")
+    g = result["goals"]
+    lines.append(f"sequence/tensor trains {g['longer_than_deepspeed'] or 0:.1f}x longer images than DeepSpeed "
+                 f"ZeRO-3 (goal {g['longer_goal']:g}x); not slower than uniform TP: "
+                 f"{g['sp_tp_not_slower_than_uniform_tp']}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["systems"]
+    names = [r["name"].replace("dhp ", "").replace(", ", "\n") for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    a.barh(names, [r["largest_patches"] or 0 for r in rows])
+    for i, r in enumerate(rows):  # at the search's ceiling the bar is a lower bound
+        if r["largest_side"] == result["sides_searched"][-1]:
+            a.text(r["largest_patches"], i, " >= (search ceiling)", va="center")
+    a.set_xlabel(f"largest image under {result['cap_bytes'] / 2**30:.2f} GiB/rank (patches)")
+    b.barh(names, [r["vision_tokens_per_s"] for r in rows])
+    b.set_xlabel(f"vision tokens/s at {result['image_patches']} patches ({result['device']})")
+    fig.suptitle(f"{result['ranks']} ranks per system")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(args: argparse.Namespace) -> int:
+    import ray
+
+    try:
+        result = run(args.quick, args.ranks, args.cap_gib)
+    finally:
+        ray.shutdown()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        plot(result, Path(args.json).with_suffix(".png"))
+    print(table(result))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("peers", help="dhp next to DeepSpeed ZeRO-3 and uniform TP: speed, largest image per cap")
+    p.add_argument("--json", default=None, help="write the results here (and a plot beside it, .png)")
+    p.add_argument("--quick", action="store_true", help="2 ranks, small images: a check that it works")
+    p.add_argument("--ranks", type=int, default=None, help=f"ranks per system (default {N_RANKS}; quick: 2)")
+    p.add_argument("--cap-gib", type=float, default=None, help="per-rank cap (default 0.2; quick: 0.35)")

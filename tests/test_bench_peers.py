@@ -1,0 +1,44 @@
+"""`dhp bench peers` (scripts/bench_peers.py) at its quick size: every system runs, the memory search is
+consistent with the cap it states, and the byte counts hold the structural claim (a DeepSpeed ZeRO-3 rank keeps
+a whole sample's activations, a dhp sequence / tensor rank a share). No wall-clock time is asserted."""
+
+from __future__ import annotations
+
+from dhp.scripts.bench_peers import plot, run, systems, table
+from dhp.scripts.peers.probe import SIDE_UNIT, ladder, largest_fitting, patches
+
+
+def test_largest_fitting_climbs_then_bisects():
+    sides = ladder(112, 1568)
+    assert sides[0] == 112 and all(b > a and b % SIDE_UNIT == 0 for a, b in zip(sides, sides[1:]))
+    limit = 700
+    asked: list[int] = []
+
+    def fits(side: int) -> bool:
+        asked.append(side)
+        return side <= limit
+
+    best = largest_fitting(fits, sides)
+    assert best is not None and best <= limit and best > 644  # bisected past the last fitting rung (644)
+    assert largest_fitting(lambda s: False, sides) is None
+    assert largest_fitting(lambda s: True, sides) == sides[-1]  # the ceiling: a lower bound
+    assert patches(112) == 64
+
+
+def test_quick_bench_runs_every_system_under_its_cap(ray_session, tmp_path):
+    result = run(quick=True)
+    names = [r["name"] for r in result["systems"]]
+    assert names == list(systems(result["ranks"]))
+    for r in result["systems"]:
+        assert r["step_s"] > 0 and r["peak_activation_bytes"] > 0 and r["peak_rss_bytes"] > 0, r["name"]
+        for p in r["probes"]:  # the search's verdicts are the cap's
+            fits = p["peak_bytes"] <= result["cap_bytes"]
+            assert fits == (r["largest_side"] is not None and p["side"] <= r["largest_side"]), (r["name"], p)
+    rows = {r["name"]: r for r in result["systems"]}
+    assert rows["deepspeed zero3"]["probes"] and rows["deepspeed zero3"]["jit_built"] is not None
+    assert rows["dhp sequence / tensor, pipelined"]["probes"] == []  # timed only, as documented
+    assert (rows["deepspeed zero3"]["peak_activation_bytes"]
+            > 2 * rows["dhp sequence / tensor, serial"]["peak_activation_bytes"])
+    assert "DeepSpeed" in table(result)
+    plot(result, tmp_path / "peers.png")
+    assert (tmp_path / "peers.png").stat().st_size > 0
