@@ -1,9 +1,11 @@
 """`dhp bench time-model`: the plan predicts the step times measured here, and the profile curves it relies on
 read as documented.
 
-The check (issue 16, item 3): this machine's profile is measured in the same session (`quick_ops_profile`),
-then every configuration of the bench trains and its median step must be within `TOLERANCE` of the plan's
-prediction from that profile. It fails when the step-time model and the trainer drift apart.
+The check (issue 16, item 3): this machine's profile is measured right before the steps (`run` without a
+profile: `dhp bench ops --quick` sizes), then every configuration of the bench trains and its median step must
+be within `TOLERANCE` of the plan's prediction from that profile. It fails when the step-time model and the
+trainer drift apart. The profile is not the session's shared one: measured minutes earlier on a shared 2-core
+machine (Ray's workers still booting, another test's processes), it put every ratio 20-30 % off in CI.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dhp.scripts.bench_time_model import CONFIGS, OVERSUBSCRIBED, TOLERANCE, run
 CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "ops_profile_cpu.json"
 
 
-def test_plan_predicts_every_measured_step_within_tolerance(quick_ops_profile, ray_session):
-    result = run(str(quick_ops_profile), quick=True, steps=3)
+def test_plan_predicts_every_measured_step_within_tolerance(ray_session):
+    result = run(None, quick=True, steps=3)
     assert [r["config"] for r in result["rows"]] == list(CONFIGS) and len(CONFIGS) >= 6
     for r in result["rows"]:
         assert r["checked"] and r["measured_s"] > 0 and r["predicted_s"] > 0
@@ -31,8 +33,8 @@ def test_plan_predicts_every_measured_step_within_tolerance(quick_ops_profile, r
     # one actor per pool: the plan overlaps them, and so does the trainer
     assert rows["none / none, pipelined"]["predicted_s"] < rows["none / none, serial"]["predicted_s"]
     off = [r["config"] for r in result["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
-    if off:  # another process may have taken a core for a while: those configurations are measured once more
-        again = run(str(quick_ops_profile), quick=True, steps=3, configs={k: CONFIGS[k] for k in off})
+    if off:  # another process may have taken a core for a while: profile and those configurations once more
+        again = run(None, quick=True, steps=3, configs={k: CONFIGS[k] for k in off})
         off = [r["config"] for r in again["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
         assert not off, (f"predicted / measured outside 1 +- {TOLERANCE} twice: {off}\n{table(result)}\n"
                          f"again:\n{table(again)}")
