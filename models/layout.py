@@ -29,6 +29,10 @@ answered by its layout object, so a new mode is one subclass in one file plus it
     `reports_grad_norm(ranks, p)`   whether this rank counts parameter p's gradient in the global norm
     `vision_forward(...)`           the vision encoder's forward on this rank's inputs
     `gather(local_states)`          full tensors from the `state_ranks`' local states (export, checkpoints)
+  time (the step-time model, models/time_model.py)
+    `work_shards`                   ranks one replica's matrix work is split over (SP, TP: degree)
+    `width_shards`                  ranks a matmul's width is split over (TP: degree): narrower matmuls
+    `vit_collective`, `vit_collectives(s)`  the ViT's activation collective and how many run each way
   bytes (`dhp bench layouts` and the memory plan)
     `state_numel(full_shapes, rank)` elements of parameters this rank holds; `optimizer_fraction`
     `vit_comm_bytes / vit_grad_sync_bytes / vit_activation_bytes`  the ViT formulas (docs/layouts.md)
@@ -230,6 +234,22 @@ class Layout:
     def gather(self, local_states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Full tensors from the local states of `state_ranks`, in rank order; replicated: the first."""
         return local_states[0]
+
+    # --- time ------------------------------------------------------------------------------------------
+
+    vit_collective: ClassVar[str] = "all_reduce"
+
+    @property
+    def work_shards(self) -> int:
+        return 1
+
+    @property
+    def width_shards(self) -> int:
+        return 1
+
+    def vit_collectives(self, s: VitShape) -> int:
+        """Activation collectives of one ViT forward on one rank (as many run in the backward)."""
+        return 0
 
     # --- bytes -----------------------------------------------------------------------------------------
 

@@ -295,6 +295,15 @@ class SequenceParallel(Layout):
     def loader_shards(self) -> int:
         return self.degree
 
+    vit_collective = "all_to_all"
+
+    @property
+    def work_shards(self) -> int:
+        return self.degree
+
+    def vit_collectives(self, s: VitShape) -> int:
+        return 4 * s.full if self.degree > 1 else 0  # q, k, v in and the output back, per full-attention block
+
     def grad_sync_group(self, ranks: PoolRanks) -> Any:
         return None  # the whole pool
 

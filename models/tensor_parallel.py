@@ -358,6 +358,14 @@ class TensorParallel(Layout):
     def check_shape(self, model_config) -> None:
         check_tp_degree(self.degree, model_config)
 
+    @property
+    def work_shards(self) -> int:
+        return self.degree
+
+    @property
+    def width_shards(self) -> int:
+        return self.degree
+
     def part(self, name: str, model_rank: int):
         """Index of model-parallel rank `model_rank`'s part of the full tensor `name`; None if replicated."""
         return tp_slice(name, model_rank, self.degree, self.model_config)

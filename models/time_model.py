@@ -104,11 +104,6 @@ def _recomputed_share(s: Any, blocks: int) -> float:
     return len(ac.chosen(blocks)) / blocks
 
 
-def _work_share(layout: Any) -> float:
-    """Share of a replica's matrix work one rank does: sequence and tensor parallel split it by degree."""
-    return 1.0 / layout.degree if layout.name in ("sequence", "tensor") else 1.0
-
-
 def _bytes(cfg: Any, stage: str) -> int:
     from dhp.models.memory_plan import activation_bytes_per_element
 
@@ -127,11 +122,11 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
 
     vc, s = mc.vision_config, cfg.vision
     layout = stage_layout(cfg, "vision", mc)
-    share, b = _work_share(layout), _bytes(cfg, "vision")
+    share, b = 1.0 / layout.work_shards, _bytes(cfg, "vision")
     images = samples_per_microbatch(cfg, w)
     p = w.image_patches * images
     full = len(vc.fullatt_block_indexes)
-    width = vc.hidden_size * (share if layout.name == "tensor" else 1.0)  # TP: narrower matmuls
+    width = vc.hidden_size / layout.width_shards  # TP: narrower matmuls
     linear = flops.vision_linear_flops_per_patch(vc) * p * share / prof.matmul_rate(width)
     head_dim = vc.hidden_size // vc.num_heads
     window = 4 * vc.hidden_size * p * min(w.image_patches, _window_patches(vc)) * (vc.depth - full)
@@ -139,8 +134,7 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
     full_s = 4 * vc.hidden_size * p * w.image_patches * full * share / prof.attention_rate("attention", head_dim)
     shape = VitShape.of(vc.to_dict())
     comm_bytes = layout.vit_comm_bytes(shape, p, b)
-    collective = "all_to_all" if layout.name == "sequence" else "all_reduce"
-    count = {"sequence": 4 * full, "tensor": 2 * vc.depth}.get(layout.name, 0) * (layout.degree > 1)  # each way
+    collective, count = layout.vit_collective, layout.vit_collectives(shape)  # count: each way
     comm = 0.0  # seconds of one direction's collectives: `count` of the average message
     if count:
         n = layout.degree
@@ -185,11 +179,11 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
 
     tc, s = mc.text_config, cfg.text
     layout = stage_layout(cfg, "text", mc)
-    share, b = _work_share(layout), _bytes(cfg, "text")
+    share, b = 1.0 / layout.work_shards, _bytes(cfg, "text")
     samples = samples_per_microbatch(cfg, w)
     length, layers = w.sample_tokens, tc.num_hidden_layers
     tokens = length * samples
-    width = tc.hidden_size * (share if layout.name == "tensor" else 1.0)  # TP: narrower matmuls
+    width = tc.hidden_size / layout.width_shards  # TP: narrower matmuls
     linear = flops.text_linear_flops_per_token(tc) * tokens * share / prof.matmul_rate(width)
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     causal = 0.5 * 4 * tc.num_attention_heads * head_dim * layers * length * length * samples * share
@@ -200,7 +194,7 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
     for part, sec in (("linear", linear), ("attention", attention), ("lm_head", head)):
         cost.add(part, (3 if part != "attention" else 1 + prof.attention_backward_ratio) * sec)
     cost.add("recompute", recompute * (linear + attention))
-    if layout.name == "tensor" and layout.degree > 1:
+    if layout.width_shards > 1:
         # [L, H] all-reduces: 2 per layer forward (o, down) and 2 backward (in front of qkv, gate/up), the
         # vocab-parallel embedding's output and the gradient in front of lm_head; recomputed layers repeat
         # their forward's 2
@@ -210,7 +204,7 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
         cost.add("recompute", 2 * layers * recompute * one)
     cost.add("kernels", TEXT_LAYER_OPS * layers * (1 + BACKWARD_OPS + recompute) * prof.op_latency_s)
     if prof.memory_passes:
-        traffic = text_activations(tc, tokens, layout.degree if layout.name == "tensor" else 1, b)[0]
+        traffic = text_activations(tc, tokens, layout.width_shards, b)[0]
         traffic /= prof.memory_gbps * 1e9
         cost.add("memory", prof.memory_passes * traffic + _grad_accumulate_s(layout, mc, prof, "text", cfg))
         cost.add("recompute", recompute * traffic)

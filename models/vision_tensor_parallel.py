@@ -192,6 +192,9 @@ class VisionTensorParallel(TensorParallel):
     def check_shape(self, model_config) -> None:
         check_vision_tp_degree(self.degree, model_config.vision_config)
 
+    def vit_collectives(self, s: VitShape) -> int:
+        return 2 * s.depth if self.degree > 1 else 0  # after attention's proj and the MLP's down, per block
+
     def part(self, name: str, model_rank: int) -> Index | None:
         return vision_tp_slice(name, model_rank, self.degree, self.model_config)
 
