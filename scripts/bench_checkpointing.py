@@ -15,11 +15,11 @@ a sequence- or tensor-parallel layout each rank's activations shrink by the same
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from dhp.scripts.results import write_json
 
 MODES = ("none", "every_n", "full")
 STATE = ("PARAM", "BUFFER", "GRAD")  # MemTracker's categories of model state; the rest is activations / temps
@@ -115,8 +115,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(args: argparse.Namespace) -> int:
     rows = run(args.quick, args.repeats or (1 if args.quick else 3))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
     print(table(rows))
     return 0
 

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dhp.scripts.results import write_json
+
 GOAL_WAIT = 0.05
 GOAL_STARTUP_S = 5.0
 FULL = dict(samples=192, repeat=4, workers=2, object_store_mb=80, train_steps=30)
@@ -324,8 +326,7 @@ def main(args: argparse.Namespace | None = None) -> int:
         row = run(sizes, Path(tmp))
     print(table(row))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([row], indent=1))
+        write_json(args.json, [row])
     return 0
 
 

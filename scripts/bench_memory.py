@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dhp.scripts.results import write_json
+
 GIB = 2**30
 SHAPES = ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b")
 # (stage, layout, degree, num_actors): the presets' layouts (tiny SP2/TP2, 7B SP4/TP4, 32B SP8/TP8), a TP 8 x
@@ -166,9 +168,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     rows = run(args.quick, not args.no_measure, args.checkpoint_dir)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out = write_json(args.json, rows)
     print(table(rows))
     print(f"\n{len(rows)} rows (GiB per rank; checkpoint: the whole pool) -> {out}")
     return 0

@@ -76,6 +76,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dhp.scripts.results import write_json
+
 MiB = 2**20
 GB = 1e9
 CPU_MATMUL_SIZES = (64, 128, 256, 512)
@@ -561,8 +563,7 @@ def main(args: argparse.Namespace) -> int:
         _check_target(target)
     profile = measure(args.quick)
     if target is not None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(profile, indent=1) + "\n")
+        write_json(target, profile)
     print(table(profile))
     return 0
 

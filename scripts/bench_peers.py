@@ -35,7 +35,6 @@ Timings here are CPU timings on a 2-core machine with 2N + 1 processes, labelled
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import resource
 import statistics
@@ -43,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from dhp.scripts.results import write_json
 
 N_RANKS = 4
 BASE = ["vision.num_cpus_per_actor=0.25", "text.num_cpus_per_actor=0.25", "training.warmup_steps=0",
@@ -251,8 +252,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
         plot(result, Path(args.json).with_suffix(".png"))
     print(table(result))
     return 0

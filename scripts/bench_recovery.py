@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dhp.scripts.results import write_json
+
 
 def start_run(out: Path, name: str, steps: int, checkpoint_every: int, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dhp.stages.cli", "train", f"output.dir={out}/runs", f"output.name={name}",
@@ -85,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'detect_s':>9} {'recover_s':>10} {'steps_lost':>10} {'step_time_s':>11}")
     print(f"{row['detect_s']:>9.2f} {row['recover_s']:>10.2f} {row['steps_lost']:>10d} {row['step_time_s']:>11.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps([row], indent=1))
+        write_json(args.json, [row])
     return 0
 
 

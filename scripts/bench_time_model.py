@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dhp.scripts.results import write_json
+
 IMAGE = (896, 448)  # pixels: 64 x 32 patches of 14
 BASE = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
         "text.parallelism=none", "text.num_actors=1", "text.degree=1",
@@ -179,8 +181,7 @@ def table(result: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     result = run(args.profile, args.quick)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     print(table(result))
     return 0
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from dhp.models.hardware import Profile, profile
 from dhp.models.time_model import Workload, step_time
+from dhp.scripts.results import write_json
 from dhp.stages.config import Config, ConfigError
 
 GIB = 2**30
@@ -211,13 +211,12 @@ def main(args: Any) -> int:
         save_config(rows[0]["config"], out)
         print(f"\nbest layout written to {out} (dhp train --config {out})")
         if args.json:
-            Path(args.json).write_text(json.dumps([_json_row(r) for r in rows[:args.top]], indent=1, default=str))
+            write_json(args.json, [_json_row(r) for r in rows[:args.top]], default=str)
         return 0
     check_layout(cfg, mc)
     cfg = prepare(cfg, prof, args.gpus, w)
     r = predict(cfg, mc, prof, w)
     print(table(r))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(_json_row(r), indent=1, default=str))
+        write_json(args.json, _json_row(r), default=str)
     return 0 if r["fits"] else 1
