@@ -99,7 +99,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.integrations import HfDeepSpeedConfig
 
     from dhp.models.saved_tensors import SavedBytes
@@ -118,9 +118,6 @@ def rank_main(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-
-    from transformers import AutoConfig
-
     hidden = AutoConfig.from_pretrained(args.model).text_config.hidden_size
     ds_config = fill_auto(json.loads(Path(args.config).read_text()), world, args.precision, args.max_grad_norm,
                           hidden)
@@ -137,23 +134,28 @@ def rank_main(args: argparse.Namespace) -> None:
     init_s += time.perf_counter() - start
     jit = sorted(_extensions() - built_before)
 
-    samples = torch.load(args.samples, weights_only=False)
-    steps, peak_saved = [], 0
-    for step in range(args.steps):
-        batch = {k: v.to(device) for k, v in _batch(samples[(rank + world * step) % len(samples)], dtype).items()}
-        tokens = int((batch["labels"][:, 1:] != -100).sum())
-        dist.barrier()
-        start = time.perf_counter()
-        measured = step == args.steps - 1  # the saved-tensor hooks cost time: only the last step counts bytes
-        with SavedBytes(engine.module) if measured else contextlib.nullcontext() as saved:
+    def train_one(sample: dict, count_saved: bool) -> tuple[Any, int, int]:
+        """One DeepSpeed step on `sample`: (loss, its labelled tokens, bytes autograd kept for backward; 0
+        unless `count_saved`: the saved-tensor hooks cost time)."""
+        batch = {k: v.to(device) for k, v in _batch(sample, dtype).items()}
+        with SavedBytes(engine.module) if count_saved else contextlib.nullcontext() as saved:
             loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
+        return loss, int((batch["labels"][:, 1:] != -100).sum()), saved.total if count_saved else 0
+
+    samples = torch.load(args.samples, weights_only=False)
+    steps, peak_saved = [], 0
+    for step in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        measured = step == args.steps - 1  # only the last step counts bytes
+        loss, tokens, saved_bytes = train_one(samples[(rank + world * step) % len(samples)], measured)
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
         seconds = time.perf_counter() - start
-        peak_saved = max(peak_saved, saved.total if measured else 0)
+        peak_saved = max(peak_saved, saved_bytes)
         parts = torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
         dist.all_reduce(parts)
         steps.append({"loss": (parts[0] / parts[1]).item(), "seconds": seconds, "measured": measured,
@@ -168,13 +170,8 @@ def rank_main(args: argparse.Namespace) -> None:
     def fits(side: int) -> bool:
         """One training step on one side x side image on every rank; fits when every rank's state plus the
         bytes its autograd kept for backward stay within --cap-bytes."""
-        sample = image_sample(engine.module.config, side, Path(args.work) / f"rank{rank}")
-        batch = {k: v.to(device) for k, v in _batch(sample, dtype).items()}
-        with SavedBytes(engine.module) as saved:
-            loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        peak = torch.tensor([state_bytes + saved.total], dtype=torch.int64)
+        saved_bytes = train_one(image_sample(engine.module.config, side, Path(args.work) / f"rank{rank}"), True)[2]
+        peak = torch.tensor([state_bytes + saved_bytes], dtype=torch.int64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         probes.append({"side": side, "patches": patches(side), "peak_bytes": int(peak)})
         return int(peak) <= args.cap_bytes
