@@ -29,17 +29,21 @@ def build_stage(
     precision: Precision,
     seed: int,
     path: str | Path | None = None,
+    freeze: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, dict[str, torch.Size]]:
     """-> (this rank's model on `ranks.device`, in train mode; the full (unsharded) shape of every tensor).
 
     `build_model()` constructs the full stage (it runs on meta: nothing allocated); `seed` seeds it, as the
     single-process build `torch.manual_seed(seed); build_model()` would be. From a checkpoint the model loads
-    the names under its `checkpoint_prefixes` (the other stage's are not its business).
+    the names under its `checkpoint_prefixes` (the other stage's are not its business). `freeze(model)` sets
+    `requires_grad` (models/fine_tuning.py) before the layout wraps the parameters, which keep it.
     """
     torch.manual_seed(seed)
     model, recipe = build_on_meta(build_model)
     full_shapes = {n: t.shape for n, t in model.state_dict().items()}
     precision.cast(model)  # values below (loaded, or replayed in fp32) are copied in this dtype
+    if freeze is not None:
+        freeze(model)
     layout.apply(model, ranks)  # on meta: shapes only
     layout.materialize(model, ranks.device)  # this rank's tensors, uninitialised
     slicer = layout.slicer(ranks.rank, full_shapes)

@@ -19,6 +19,7 @@
     dhp bench ops [--json PATH] [--quick]                     (op / collective / transfer rates: a time-model profile)
     dhp bench time-model [--json PATH] [--profile P] [--quick]  (the plan's step time against measured steps)
     dhp bench peers [--json PATH] [--quick] [--ranks N]       (vs DeepSpeed ZeRO-3 and uniform TP: speed, longest image)
+    dhp bench fine-tuning [--json PATH] [--quick]             (frozen ViT, merger only, frozen LLM vs full: time, bytes)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -114,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     bdata.add_argument("--json", default=None, help="write the row here")
     bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
     from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
+    from dhp.scripts.bench_fine_tuning import add_parser as add_fine_tuning
     from dhp.scripts.bench_memory import add_parser as add_memory
     from dhp.scripts.bench_ops import add_parser as add_ops
     from dhp.scripts.bench_peers import add_parser as add_peers
@@ -124,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     add_ops(bench)
     add_time_model(bench)
     add_peers(bench)
+    add_fine_tuning(bench)
     return p
 
 
@@ -215,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_time_model import main as bench_time_model
 
             return bench_time_model(args)
+        elif args.command == "bench" and args.bench_command == "fine-tuning":
+            from dhp.scripts.bench_fine_tuning import main as bench_fine_tuning
+
+            return bench_fine_tuning(args)
         elif args.command == "bench" and args.bench_command == "peers":
             from dhp.scripts.bench_peers import main as bench_peers
 

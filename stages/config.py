@@ -41,9 +41,23 @@ class StageConfig:
     num_cpus_per_actor: float = 1.0  # Ray CPU resource per actor (fractions allowed)
     num_gpus_per_actor: float = 0.0  # Ray GPU resource per actor (fractions share a GPU)
     torch_threads: int = 1  # intra-op threads per actor
-    lr_scale: float = 1.0  # this stage's LR = training.lr x lr_scale
+    lr_scale: float = 1.0  # LR of the stage's main module (vision: patch embed + blocks; text: LM) = training.lr x this
+    weight_decay: float | None = None  # the stage's main module (None: training.weight_decay)
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"  # recompute blocks in backward
     activation_checkpointing_every: int = 2  # every_n: blocks 0, N, 2N, ... recompute
+
+
+@dataclass
+class VisionStageConfig(StageConfig):
+    train: Literal["all", "merger", "none"] = "all"  # what trains: all, the merger only, or nothing (forward only)
+    merger_lr_scale: float | None = None  # the merger's LR = training.lr x this (None: lr_scale)
+    merger_weight_decay: float | None = None  # the merger's (None: vision.weight_decay)
+
+
+@dataclass
+class TextStageConfig(StageConfig):
+    train: Literal["all", "none"] = "all"  # what trains: the language model, or nothing (still returns the
+    # embedding gradient when the vision side trains)
 
 
 @dataclass
@@ -141,8 +155,8 @@ class OutputConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
-    vision: StageConfig = field(default_factory=StageConfig)
-    text: StageConfig = field(default_factory=StageConfig)
+    vision: VisionStageConfig = field(default_factory=VisionStageConfig)
+    text: TextStageConfig = field(default_factory=TextStageConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

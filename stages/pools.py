@@ -41,9 +41,11 @@ def check_layout(cfg: Config, model_config=None) -> None:
     The replica counts are free (fan-out and fan-in, routing.py) except where a lockstep text pool needs
     more vision forwards alive than `pipeline.max_in_flight` allows (`routing.check_fan`).
     """
+    from dhp.models.fine_tuning import FineTuning
     from dhp.models.layouts import layout_class, stage_layout
     from dhp.stages.routing import check_fan
 
+    FineTuning(cfg)  # what trains: a choice that cannot run fails here
     for stage in ("vision", "text"):
         s = getattr(cfg, stage)
         try:
@@ -77,6 +79,7 @@ class StagePool(ActorGroup):
     such a pool acts on. Which ranks run a call and whose output crosses the boundary is the layout's answer."""
 
     layout: Layout  # the stage's layout object, set by the trainer
+    trains: bool = True  # False: nothing of the stage trains (models/fine_tuning.py): no backward, no step
 
     @property
     def zero3(self) -> bool:
@@ -125,9 +128,11 @@ class VisionPool(StagePool):
 
 class TextPool(StagePool):
     def forward_backward(
-        self, replica: int, mb_id: int, inputs: ray.ObjectRef | None, shards: list[ray.ObjectRef], loss_scale: float
+        self, replica: int, mb_id: int, inputs: ray.ObjectRef | None, shards: list[ray.ObjectRef], loss_scale: float,
+        want_grads: bool = True,
     ) -> tuple[ray.ObjectRef | None, list[ray.ObjectRef]]:
-        """-> (ref of the micro-batch's scaled loss, refs of d loss / d shard, one per vision rank).
+        """-> (ref of the micro-batch's scaled loss, refs of d loss / d shard, one per vision rank; none
+        unless `want_grads`: a frozen vision pool has no use for them).
 
         Every rank of the replica runs (tensor-parallel collectives need all of them); rank 0's loss and
         gradients are the replica's. Only rank 0 sends the gradients back: the other ranks compute the same
@@ -138,9 +143,10 @@ class TextPool(StagePool):
         if inputs is None and not self.layout.lockstep:
             return None, []
         first, *others = self.replica(replica)
-        out = first.forward_backward.options(num_returns=1 + len(shards)).remote(
-            mb_id, inputs, loss_scale, *shards, send_grads=bool(shards))
-        out = out if shards else [out]  # one return is a bare reference (a padding call has no shards)
+        send = bool(shards) and want_grads
+        out = first.forward_backward.options(num_returns=1 + len(shards) * send).remote(
+            mb_id, inputs, loss_scale, *shards, send_grads=send)
+        out = out if send else [out]  # one return is a bare reference (no gradients asked)
         for a in others:
             a.forward_backward.options(num_returns=1).remote(mb_id, inputs, loss_scale, *shards, send_grads=False)
         return out[0], list(out[1:])

@@ -186,4 +186,6 @@ class TensorBoard:
         for key, tag in TAGS.items():
             if record.get(key) is not None:
                 self.writer.add_scalar(tag, record[key], record["step"])
+        for module, lr in record.get("lrs", {}).items():  # each trained module's LR (models/fine_tuning.py)
+            self.writer.add_scalar(f"train/lr/{module}", lr, record["step"])
         self.writer.flush()

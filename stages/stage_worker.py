@@ -17,6 +17,7 @@ from torch import nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from dhp.models.activation_checkpointing import ActivationCheckpointing
+from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import make_layout, stage_layout
 from dhp.models.precision import precision_of
@@ -30,33 +31,25 @@ from dhp.stages.config import Config
 from dhp.stages.trace import EventRecorder
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only, not biases or norm weights (the transformers Trainer convention)."""
-    decay, no_decay = [], []
-    for p in module.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_optimizer(module: nn.Module, cfg: Config, lr_scale: float = 1.0, zero_group: Any = NOT_SHARDED):
-    """AdamW + linear warmup + cosine decay to `min_lr_ratio`; one scheduler step per optimizer step.
+def build_optimizer(module: nn.Module, cfg: Config, zero_group: Any = NOT_SHARDED):
+    """AdamW over `module`'s trainable parameters, one group per module and decay choice with its own LR and
+    weight decay (models/fine_tuning.py), + linear warmup + cosine decay to `min_lr_ratio` of each group's LR;
+    one scheduler step per optimizer step.
 
     `zero_group` (a process group, None = the default group; NOT_SHARDED = off) shards the AdamW state ZeRO-1
     style: each rank keeps the moments of its share of the parameters, steps those, and broadcasts them.
     Every rank must hold the full, already-summed gradients when `step()` runs.
     """
     t = cfg.training
-    kwargs = dict(lr=t.lr * lr_scale, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    groups = FineTuning(cfg).param_groups(module)
+    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     if zero_group is NOT_SHARDED:
-        optimizer = torch.optim.AdamW(param_groups(module, t.weight_decay), **kwargs)
+        optimizer = torch.optim.AdamW(groups, **kwargs)
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(
-            param_groups(module, t.weight_decay), optimizer_class=torch.optim.AdamW, process_group=zero_group,
-            **kwargs,
-        )
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group,
+                                            **kwargs)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps, min_lr_rate=t.min_lr_ratio
     )
@@ -134,17 +127,20 @@ class StageWorker(DistributedWorker):
         self.recorder = EventRecorder(self.stage, self.rank)
         self.layout = stage_layout(self.cfg, self.stage, self.model_config)
         self.precision = precision_of(self.cfg.model.precision)
+        self.fine_tuning = FineTuning(self.cfg)
+        self.trains = self.fine_tuning.trains(self.stage)
         self.model, self.full_shapes = build_stage(
             lambda: self.build_model(self.model_config), self.layout, self.ranks, self.precision,
-            seed=self.cfg.model.init_seed, path=self.cfg.model.path,
+            seed=self.cfg.model.init_seed, path=self.cfg.model.path, freeze=self.fine_tuning.freeze,
         )
         self.activation_checkpointing = ActivationCheckpointing(
             self.stage_cfg.activation_checkpointing, self.stage_cfg.activation_checkpointing_every
         )
         self.activation_checkpointing.apply(self.model.blocks())
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.cfg, self.stage_cfg.lr_scale, zero_group=self.layout.optimizer_shard_group(self.ranks)
-        )
+        self.optimizer = self.scheduler = None  # a frozen stage: no optimizer state at all
+        if self.trains:
+            self.optimizer, self.scheduler = build_optimizer(
+                self.model, self.cfg, zero_group=self.layout.optimizer_shard_group(self.ranks))
         self._synced = False  # gradients summed over data-parallel replicas for this step?
         self._measured: list[dict[str, int]] | None = None  # measure_activations' records while it is on
 
@@ -155,12 +151,15 @@ class StageWorker(DistributedWorker):
         return self.precision.autocast(self.device, self.cfg.model.dtype)
 
     @property
-    def local_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer over this rank's share: under ZeRO-1 the wrapper's inner one (its partition only)."""
+    def local_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer over this rank's share: under ZeRO-1 the wrapper's inner one (its partition only);
+        None for a stage that trains nothing."""
         return getattr(self.optimizer, "optim", self.optimizer)
 
     def _moments(self) -> list[torch.Tensor]:
         """This rank's AdamW state tensors (not the 0-dim step counters)."""
+        if self.local_optimizer is None:
+            return []
         return [v for st in self.local_optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim]
 
     def state_bytes(self) -> dict[str, int]:
@@ -190,7 +189,7 @@ class StageWorker(DistributedWorker):
         return {
             "params": {n: str(p.dtype) for n, p in self.model.named_parameters()},
             "optimizer": sorted({str(v.dtype) for v in self._moments()}),
-            "params_with_state": len(self.local_optimizer.state),
+            "params_with_state": len(self.local_optimizer.state) if self.local_optimizer else 0,
             "params_total": sum(1 for _ in self.model.parameters()),
         }
 
@@ -248,13 +247,13 @@ class StageWorker(DistributedWorker):
         return events
 
     @recorded("optimizer_step")
-    def optimizer_step(self, clip_coef: float) -> float:
-        """Scale gradients by the global clip coefficient, step, zero; returns the LR that was used."""
-        lr = self.optimizer.param_groups[0]["lr"]
+    def optimizer_step(self, clip_coef: float) -> dict[str, float]:
+        """Scale gradients by the global clip coefficient, step, zero; returns the LR each module used."""
+        lrs = group_lrs(self.optimizer)
         self._synced = False
         clipped_step(self.optimizer, self.model.parameters(), clip_coef)
         self.scheduler.step()
-        return lr
+        return lrs
 
     def local_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """This rank's parameters (or gradients) under module names, CPU copies: shards under TP / ZeRO-3."""
@@ -292,7 +291,7 @@ class StageWorker(DistributedWorker):
         moments = f"{self.stage}-rank{self.rank:05d}-moments.safetensors"
         save_shard(self._named_moments(), Path(ckpt_dir), moments)
         state = {
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else torch.empty(0),
         }
@@ -303,6 +302,8 @@ class StageWorker(DistributedWorker):
     def _optimizer_params(self) -> list[tuple[str, nn.Parameter]]:
         """(module name, parameter) of each parameter the local optimizer steps, in its own index order (a
         parameter object is the same in the model and the optimizer: DTensors under ZeRO-3 included)."""
+        if self.local_optimizer is None:
+            return []
         names = {id(p): n for n, p in self.model.named_parameters()}
         return [(names[id(p)], p) for group in self.local_optimizer.param_groups for p in group["params"]]
 
@@ -338,14 +339,15 @@ class StageWorker(DistributedWorker):
                 i: {key: files.read_moment(name, key, index_of(own, name)) for key in files.moment_keys(name)}
                 for i, (name, _) in enumerate(self._optimizer_params())
             }
-        optim_state = {"state": {i: st for i, st in moments.items() if st},
-                       "param_groups": self.local_optimizer.state_dict()["param_groups"]}
-        self.local_optimizer.load_state_dict(_like_params(optim_state, self.local_optimizer))
         writer = self.rank if self.rank < saved.num_actors else 0
         state = torch.load(ckpt / f"{self.stage}-rank{writer:05d}-state.pt", weights_only=True)
-        self.scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr  # a ZeRO wrapper keeps its own groups, which it copies into its partition's
+        if self.trains:
+            optim_state = {"state": {i: st for i, st in moments.items() if st},
+                           "param_groups": self.local_optimizer.state_dict()["param_groups"]}
+            self.local_optimizer.load_state_dict(_like_params(optim_state, self.local_optimizer))
+            self.scheduler.load_state_dict(state["scheduler"])
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr  # a ZeRO wrapper keeps its own groups, which it copies into its partition's
         torch.set_rng_state(state["rng"])
         if self.device.type == "cuda" and state["cuda_rng"].numel():
             torch.cuda.set_rng_state(state["cuda_rng"])

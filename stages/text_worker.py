@@ -24,6 +24,15 @@ class TextWorker(StageWorker):
     def build_model(self, model_config: Any) -> TextModel:
         return TextModel(model_config)
 
+    def setup(self) -> None:
+        super().setup()
+        if not self.trains:
+            # A frozen language model still owes the vision side d loss / d embeddings. The decoder's input is
+            # made to require grad in every training forward, so every micro-batch (text-only and padding ones
+            # included) runs the same backward, and with it the same TP / ZeRO-3 collectives on every rank
+            # (invariant 2); its parameters get no gradient.
+            self.model.language_model.embed_tokens.register_forward_hook(_require_grad)
+
     def _measuring_changed(self, on: bool) -> None:
         """The decoder (embedding output to final norm) only: the logits of the labelled positions are the
         plan's transients, not activations. `forward_backward` adds `step_bytes` to each record: the same plus
@@ -109,3 +118,9 @@ class TextWorker(StageWorker):
             return float(self._loss_sum(inputs, [s.to(self.device) for s in shards]))
         finally:
             self.model.train()
+
+
+def _require_grad(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output = output.detach().requires_grad_()
+    return output

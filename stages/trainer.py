@@ -23,6 +23,7 @@ from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
 from dhp.models.export import export_hf, read_meta, write_meta
+from dhp.models.fine_tuning import FineTuning
 from dhp.models.layouts import stage_layout
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, ConfigError, save_config
@@ -78,6 +79,7 @@ class Trainer:
         self.cfg = cfg
         self.model_config = model_config or model_config_of(cfg)
         check_layout(cfg, self.model_config)
+        self.fine_tuning = FineTuning(cfg)  # what trains (checked by check_layout)
         d = cfg.data
         settings = PreprocessSettings(
             image_root=image_root,
@@ -131,6 +133,7 @@ class Trainer:
             degree=s.degree, placement=getattr(self.placement, stage),
         )
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
+        pool.trains = self.fine_tuning.trains(stage)
         return pool
 
     def pools(self) -> list[tuple[str, VisionPool | TextPool]]:
@@ -165,29 +168,35 @@ class Trainer:
                         shards[key] = out
                 elif call.kind == TEXT_FORWARD_BACKWARD:
                     loss, g = self.text.forward_backward(replica, mb_id, mb and mb.text,
-                                                         shards.pop(key) if key else [], loss_scale)
+                                                         shards.pop(key) if key else [], loss_scale,
+                                                         want_grads=self.vision.trains)
                     losses.append(loss)
-                    if key:
+                    if key and self.vision.trains:
                         grads[key] = g
-                else:
+                elif self.vision.trains:  # a frozen vision pool kept no graph: nothing to send back
                     self.vision.backward(replica, mb_id, grads.pop(key) if key else [])
         # Driver-side cost of scheduling (everything above is non-blocking submission), per micro-batch.
         self.submit_s_per_microbatch = (time.perf_counter() - submit_start) / max(1, len(ids))
         return sum(ray.get([loss for loss in losses if loss is not None]))
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """Sum gradients over replicas, clip by the global norm over both pools, step. -> (norm, lr)."""
-        self.vision.sync_grads(), self.text.sync_grads()  # ordered before grad_sq_norm on each actor
-        grad_norm = math.sqrt(sum(ray.get(self.vision.grad_sq_norm() + self.text.grad_sq_norm())))
+    def optimizer_step(self) -> tuple[float, dict[str, float]]:
+        """Sum gradients over replicas, clip by the global norm over the pools that train, step.
+        -> (norm, the LR each trained module used: models/fine_tuning.py)."""
+        trained = [pool for _, pool in self.pools() if pool.trains]
+        for pool in trained:
+            pool.sync_grads()  # ordered before grad_sq_norm on each actor
+        grad_norm = math.sqrt(sum(ray.get([ref for pool in trained for ref in pool.grad_sq_norm()])))
         coef = clip_coefficient(grad_norm, self.cfg.training.max_grad_norm)
-        lr = ray.get(self.vision.optimizer_step(coef) + self.text.optimizer_step(coef))[-1]
-        return grad_norm, lr
+        lrs: dict[str, float] = {}
+        for per_rank in ray.get([ref for pool in trained for ref in pool.optimizer_step(coef)]):
+            lrs.update(per_rank)
+        return grad_norm, lrs
 
     def train_step(self, batches: list[GlobalBatch]) -> dict[str, Any]:
         self.step += 1
         start, wall_start = time.perf_counter(), time.time()
         loss = self.accumulate(batches)
-        grad_norm, lr = self.optimizer_step()
+        grad_norm, lrs = self.optimizer_step()
         elapsed = time.perf_counter() - start
         pipeline = self._pipeline_stats(wall_start)
         tokens = sum(b.tokens for b in batches)
@@ -197,7 +206,8 @@ class Trainer:
                 skipped[reason] = skipped.get(reason, 0) + n
         return {
             "loss": loss,
-            "lr": lr,
+            "lr": lrs.get("text", next(iter(lrs.values()))),  # the language model's, if it trains
+            "lrs": lrs,
             "grad_norm": grad_norm,
             "tokens": tokens,
             "label_tokens": sum(b.label_tokens for b in batches),

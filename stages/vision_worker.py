@@ -51,7 +51,8 @@ class VisionWorker(StageWorker):
     def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """inputs None: a padding micro-batch of a lockstep (ZeRO-3) replica."""
         measuring = self._measured is not None and inputs is not None  # measure_activations: the encoder call
-        with SavedBytes(self.model) if measuring else contextlib.nullcontext() as saved:
+        with SavedBytes(self.model) if measuring else contextlib.nullcontext() as saved, \
+                torch.set_grad_enabled(self.trains):  # a frozen encoder keeps no graph
             embeds = self._encode(inputs)
         if measuring:
             patches = int(inputs["image_grid_thw"].prod(-1).sum())  # the replica's, also under SP

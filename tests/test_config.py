@@ -21,8 +21,8 @@ from dhp.stages.config import (
     ConfigError,
     DataConfig,
     ModelConfig,
-    StageConfig,
     TrainingConfig,
+    VisionStageConfig,
     load_config,
     preset_path,
     save_config,
@@ -396,7 +396,7 @@ def test_valid_multiples_pass():
 
 
 def test_validate_on_a_built_config():
-    cfg = Config(vision=StageConfig(num_actors=3, degree=2))
+    cfg = Config(vision=VisionStageConfig(num_actors=3, degree=2))
     with pytest.raises(ConfigError, match=r"vision\.num_actors"):
         validate(cfg)
     validate(Config())

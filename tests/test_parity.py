@@ -20,6 +20,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
 from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
 from dhp.models.architectures import architecture_config
+from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import build_optimizer
@@ -114,12 +115,21 @@ LAYOUT_IDS = ["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", 
 
 @pytest.mark.parametrize(("layout", "replicas"), LAYOUTS + FAN_LAYOUTS, ids=LAYOUT_IDS + FAN_IDS)
 def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, replicas):
+    check_parity(parity_setup, tmp_path, layout, replicas)
+
+
+def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, probe=None) -> dict[str, torch.Tensor]:
+    """Train `STEPS` steps of `replicas`' micro-batches under `layout` (overrides after the common ones) and
+    the reference in one process: losses, gradients, norms, per-module LRs and parameters must agree, and the
+    export must load in transformers. The reference freezes and groups what `layout` freezes and groups
+    (models/fine_tuning.py); dhp must hold no gradient of a frozen parameter. `probe(trainer)` runs before
+    the trainer shuts down. Returns dhp's trained parameters (HF names)."""
     ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)
     longest = max(s["input_ids"].shape[0] for s in samples)
     cfg = load_config(
         "tiny",
-        BASE + layout + [
+        BASE + [
             f"model.path={ckpt}",
             f"data.microbatch_tokens={longest}",
             f"data.max_seq_len={longest}",
@@ -133,7 +143,7 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
             "training.max_grad_norm=1.0",
             "vision.num_cpus_per_actor=0.5",
             "text.num_cpus_per_actor=0.5",
-        ],
+        ] + layout,
     )
     batches = [
         GlobalBatch([_microbatch([samples[i] for i in group], cfg) for group in replica], epoch=0)
@@ -152,6 +162,7 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
         image_grid_thw=full_v["image_grid_thw"],
         mm_token_type_ids=(full_t["input_ids"] == 151655).int(),
     )
+    FineTuning(cfg).freeze(ref)
     optimizer, scheduler = build_optimizer(ref, cfg)
 
     trainer = Trainer(cfg)
@@ -168,16 +179,17 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
             ref_loss = ref(**ref_inputs).loss
             ref_loss.backward()
             assert abs(loss - ref_loss.item()) / ref_loss.item() <= 1e-6, (step, loss, ref_loss.item())
-            ref_params = dict(ref.named_parameters())
+            ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
             assert set(grads) == set(ref_params)
             errors = {n: rel_err(grads[n], p.grad) for n, p in ref_params.items()}
             worst = max(errors, key=errors.get)
             assert errors[worst] <= 1e-5, f"step {step}: gradient of {worst} off by {errors[worst]:.2e}"
 
-            grad_norm, lr = trainer.optimizer_step()
+            ref_lrs = group_lrs(optimizer)
+            grad_norm, lrs = trainer.optimizer_step()
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.training.max_grad_norm)
             assert abs(grad_norm - ref_norm.item()) / ref_norm.item() <= 1e-5
-            assert lr == optimizer.param_groups[0]["lr"]
+            assert lrs == ref_lrs
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -188,6 +200,8 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
             # Absolute: Adam turns fp-rounding noise in near-zero gradients into updates of up to ~1e-2 x lr.
             diff = (params[name] - p.detach()).abs().max().item()
             assert diff <= 1e-5, f"{name} differs by {diff:.2e} after {STEPS} steps"
+        if probe is not None:
+            probe(trainer)
 
         # The exported checkpoint is a Hugging Face directory that transformers loads as is.
         out = tmp_path / "export"
@@ -199,6 +213,7 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
         assert loaded.lm_head.weight.shape[0] == trainer.model_config.text_config.vocab_size
     finally:
         trainer.shutdown()
+    return params
 
 
 def test_pipelined_order_trains_like_serial(parity_setup, ray_session):

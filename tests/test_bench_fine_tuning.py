@@ -1,0 +1,30 @@
+"""`dhp bench fine-tuning --quick`: it runs every mode and its byte counts say what each mode holds (no timing
+is asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dhp.scripts.bench_fine_tuning import MODES, main
+
+
+def test_bench_fine_tuning_quick_rows_hold_what_each_mode_keeps(ray_session, tmp_path, capsys):
+    out = tmp_path / "ft.json"
+    assert main(argparse.Namespace(json=str(out), quick=True)) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == list(MODES)
+
+    def worst(mode: str, stage: str, key: str) -> int:
+        return max(r[key] for r in rows[mode]["ranks"] if r["stage"] == stage)
+
+    for stage in ("vision", "text"):
+        assert worst("all", stage, "grads") == worst("all", stage, "params") > 0  # fp32 grads of every param
+        assert worst("all", stage, "optimizer") > 0 and worst("all", stage, "activations") > 0
+    for stage, mode in (("vision", "frozen ViT"), ("text", "frozen LLM")):
+        assert worst(mode, stage, "grads") == worst(mode, stage, "optimizer") == 0
+        assert worst(mode, stage, "params") == worst("all", stage, "params")
+    assert worst("frozen ViT", "vision", "activations") == 0  # forward under no_grad: nothing kept
+    assert 0 < worst("merger only", "vision", "grads") < worst("all", "vision", "grads")
+    assert 0 < worst("merger only", "vision", "activations") < worst("all", "vision", "activations")
+    assert "| frozen ViT |" in capsys.readouterr().out
