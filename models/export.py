@@ -25,17 +25,22 @@ from transformers import Qwen2_5_VLConfig
 
 from dhp.models.hf_writer import DEFAULT_MAX_SHARD_SIZE, Entry, SafetensorsReader, write_shards
 from dhp.models.layouts import make_layout
+from dhp.models.lora import is_lora_factor
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.tensor_parallel import part_blocks
+from dhp.models.weights import checkpoint_index
 
 META = "dhp_checkpoint.json"
 HF_NAME = {"vision": VisionModel.hf_name, "text": TextModel.hf_name}
 
 
-def write_meta(ckpt_dir: Path, layout: dict[str, dict[str, Any]], step: int, model_config) -> None:
-    """layout: stage -> {parallelism, degree, num_actors}."""
+def write_meta(ckpt_dir: Path, layout: dict[str, dict[str, Any]], step: int, model_config, **extra: Any) -> None:
+    """layout: stage -> {parallelism, degree, num_actors}. `extra` (None values left out): `lora`, the text
+    stage's adapters ({rank, alpha, dropout, targets}); `partial`, the stages whose rank files hold only what
+    trains; `base`, where their other tensors come from ({path, init_seed}: `model.path`, `model.init_seed`)."""
     model_config.save_pretrained(ckpt_dir)
-    (ckpt_dir / META).write_text(json.dumps({"format": 1, "step": step, "layout": layout}, indent=1))
+    meta = {"format": 1, "step": step, "layout": layout, **{k: v for k, v in extra.items() if v}}
+    (ckpt_dir / META).write_text(json.dumps(meta, indent=1))
 
 
 def read_meta(ckpt_dir: Path) -> dict[str, Any]:
@@ -48,11 +53,20 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
 def export_hf(
     ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
 ) -> dict[str, str]:
-    """Write the HF directory; returns its weight_map (checkpoint name -> file)."""
+    """Write the HF directory; returns its weight_map (checkpoint name -> file).
+
+    LoRA (`lora` in the checkpoint's meta): each adapted weight is written merged, W + alpha / r x B A, and the
+    factors also go to `out_dir/adapter` as a peft adapter directory (`PeftModel.from_pretrained(base, DIR)`).
+    A stage whose rank files hold only what trains (`partial`: frozen modules, a LoRA base) takes its other
+    tensors from the base checkpoint the meta points to (`base.path`).
+    """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     meta = read_meta(ckpt_dir)
+    lora = meta.get("lora")
+    from_base: dict[str, tuple[SafetensorsReader, str]] = {}  # hf name -> (base file, stored name)
     config = Qwen2_5_VLConfig.from_pretrained(ckpt_dir)
     entries: list[Entry] = []
+    factors: dict[str, Entry] = {}  # LoRA factors by HF name
     sources: dict[str, tuple[Any, list[int], list[SafetensorsReader], str]] = {}  # hf name -> where its parts are
     readers: list[SafetensorsReader] = []
     try:
@@ -71,26 +85,86 @@ def export_hf(
                     continue  # stored once, under the embedding
                 metas = [{name: torch.empty(h.entries[name].shape, dtype=h.entries[name].dtype, device="meta")}
                          for h in handles]
-                entries.append(Entry(hf, tuple(layout.gather(metas)[name].shape), handles[0].entries[name].dtype))
+                entry = Entry(hf, tuple(layout.gather(metas)[name].shape), handles[0].entries[name].dtype)
                 sources[hf] = (layout, ranks, handles, name)
+                if is_lora_factor(name):
+                    factors[hf] = entry
+                else:
+                    entries.append(entry)
+            if stage in meta.get("partial", []):
+                readers += _base_entries(ckpt_dir, meta.get("base") or {}, stage, config, sources, entries, from_base)
 
         def produce(e: Entry) -> torch.Tensor:
-            layout, ranks, handles, name = sources[e.name]
-            out = torch.empty(e.shape, dtype=e.dtype)
-            shapes = {name: torch.Size(e.shape)}
-            for rank, h in zip(ranks, handles):
-                slicer = layout.slicer(rank, shapes)
-                idx = slicer(name) if slicer else None
-                if idx is None:  # replicated: every holder has the whole tensor
-                    h.read_into(name, out)
-                    break
-                for view, row in part_blocks(out, idx):
-                    h.read_into(name, view, row)
+            if e.name in from_base:
+                out = torch.empty(e.shape, dtype=e.dtype)
+                from_base[e.name][0].read_into(from_base[e.name][1], out)
+            else:
+                out = _assemble(*sources[e.name], e)
+            a, b = (factors.get(e.name.removesuffix(".weight") + f".lora_{f}.weight") for f in "AB")
+            if a is not None and b is not None:  # a LoRA-adapted weight, written merged
+                delta = _assemble(*sources[b.name], b).float() @ _assemble(*sources[a.name], a).float()
+                out = (out.float() + lora["alpha"] / lora["rank"] * delta).to(e.dtype)
             return out
 
         weight_map = write_shards(out_dir, entries, produce, max_shard_size)
+        if factors:
+            write_adapter(out_dir / "adapter", {h: _assemble(*sources[h], e) for h, e in factors.items()}, lora,
+                          str(out_dir))
     finally:
         for h in readers:
             h.close()
     config.save_pretrained(out_dir)
     return weight_map
+
+
+def _base_entries(ckpt_dir: Path, base: dict[str, Any], stage: str, config: Any, sources: dict, entries: list[Entry],
+                  from_base: dict[str, tuple[SafetensorsReader, str]]) -> list[SafetensorsReader]:
+    """Add to `entries` / `from_base` the tensors of `stage` that its rank files do not hold, from the base
+    checkpoint; returns the readers it opened."""
+    if not base.get("path"):
+        raise ValueError(
+            f"{ckpt_dir} holds only the trained tensors of the {stage} stage and its base is a seeded random init "
+            f"(model.init_seed={base.get('init_seed')}), which export cannot read: export the run's final model "
+            f"(RUN_DIR/checkpoint) instead, or train from a saved base (model.path)")
+    prefixes = (VisionModel if stage == "vision" else TextModel).checkpoint_prefixes
+    opened: dict[Path, SafetensorsReader] = {}
+    for hf, (file, stored) in sorted(checkpoint_index(base["path"]).items()):
+        if not hf.startswith(prefixes) or hf in sources or hf in from_base:
+            continue
+        if stage == "text" and config.tie_word_embeddings and hf == "lm_head.weight":
+            continue
+        reader = opened.setdefault(file, SafetensorsReader(file))
+        entries.append(Entry(hf, tuple(reader.entries[stored].shape), reader.entries[stored].dtype))
+        from_base[hf] = (reader, stored)
+    return list(opened.values())
+
+
+def _assemble(layout: Any, ranks: list[int], handles: list[SafetensorsReader], name: str, e: Entry) -> torch.Tensor:
+    """The full tensor `name` from the parts the ranks of one copy hold (read into place, as the slicer says)."""
+    out = torch.empty(e.shape, dtype=e.dtype)
+    shapes = {name: torch.Size(e.shape)}
+    for rank, h in zip(ranks, handles):
+        slicer = layout.slicer(rank, shapes)
+        idx = slicer(name) if slicer else None
+        if idx is None:  # replicated: every holder has the whole tensor
+            h.read_into(name, out)
+            break
+        for view, row in part_blocks(out, idx):
+            h.read_into(name, view, row)
+    return out
+
+
+def write_adapter(out: Path, factors: dict[str, torch.Tensor], lora: dict[str, Any], base: str) -> None:
+    """A peft LoRA adapter directory: `adapter_model.safetensors` (peft's names: `base_model.model.` + the HF
+    name) and `adapter_config.json` (peft's LoraConfig fields dhp's adapters use; peft fills the rest)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({f"base_model.model.{name}": t.contiguous() for name, t in factors.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = [t.strip() for t in lora["targets"].split(",") if t.strip()]
+    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": base, "r": lora["rank"],
+              "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"], "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
+              "target_modules": rf".*language_model\.layers\.\d+\..*\.({'|'.join(targets)})"}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))

@@ -23,6 +23,7 @@ What trains (`vision.train`, `text.train`) and qwen-vl-finetune's flags for the 
 | `text.train`   | trains                | qwen-vl-finetune                          |
 |----------------|-----------------------|-------------------------------------------|
 | `all`          | the language model    | `tune_mm_llm=True`                        |
+| `lora`         | LoRA adapters on it   | `lora_enable=True` (LLaVA-style scripts)  |
 | `none`         | nothing               | `tune_mm_llm=False`                       |
 
 A stage that trains nothing holds no gradients and no optimizer: a frozen vision pool runs its forwards under
@@ -39,6 +40,7 @@ from typing import Any
 
 from torch import nn
 
+from dhp.models.lora import is_lora_factor
 from dhp.stages.config import Config, ConfigError
 
 MODULES = ("vision_blocks", "merger", "text")
@@ -72,6 +74,15 @@ class FineTuning:
         v, t, tr = cfg.vision, cfg.text, cfg.training
         if v.train == "none" and t.train == "none":
             raise ConfigError("vision.train=none and text.train=none: nothing would train")
+        self.lora = t.lora if t.train == "lora" else None  # LoRA factors train, the language model's base is frozen
+        if self.lora is not None:
+            lo = self.lora
+            for ok, why in ((lo.rank >= 1, "text.lora.rank must be >= 1"),
+                            (lo.alpha > 0, "text.lora.alpha must be > 0"),
+                            (0 <= lo.dropout < 1, "text.lora.dropout must be in [0, 1)"),
+                            (any(x.strip() for x in lo.targets.split(",")), "text.lora.targets names no layer")):
+                if not ok:
+                    raise ConfigError(why)
         for key, value in (("vision.lr_scale", v.lr_scale), ("text.lr_scale", t.lr_scale),
                            ("vision.merger_lr_scale", v.merger_lr_scale)):
             if value is not None and value <= 0:
@@ -83,7 +94,7 @@ class FineTuning:
                 "merger", "vision", v.train in ("all", "merger"),
                 tr.lr * (v.lr_scale if v.merger_lr_scale is None else v.merger_lr_scale),
                 v_wd if v.merger_weight_decay is None else v.merger_weight_decay),
-            "text": ModuleGroup("text", "text", t.train == "all", tr.lr * t.lr_scale,
+            "text": ModuleGroup("text", "text", t.train in ("all", "lora"), tr.lr * t.lr_scale,
                                 tr.weight_decay if t.weight_decay is None else t.weight_decay),
         }
 
@@ -91,8 +102,17 @@ class FineTuning:
         """Whether any parameter of `stage` ("vision" | "text") trains: its pool runs backward and steps."""
         return any(g.trains for g in self.groups.values() if g.stage == stage)
 
+    def partial(self, stage: str) -> bool:
+        """Whether some of `stage` is frozen: its checkpoints then hold only what trains, the rest is the base's."""
+        if stage == "text" and self.lora is not None:
+            return True
+        return not all(g.trains for g in self.groups.values() if g.stage == stage)
+
     def trainable(self, name: str) -> bool:
-        return self.groups[module_of(name)].trains
+        module = module_of(name)
+        if module == "text" and self.lora is not None:
+            return is_lora_factor(name)
+        return self.groups[module].trains
 
     def freeze(self, model: nn.Module) -> None:
         """`requires_grad` of every parameter from its module's choice (before a layout wraps the model)."""

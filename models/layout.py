@@ -137,6 +137,7 @@ class Layout:
     lockstep: ClassVar[bool] = False
     spans_pool: ClassVar[bool] = False
     assign_loaded: ClassVar[Any] = None
+    takes_lora: ClassVar[bool] = True  # LoRA factors (models/lora.py) can be added after `apply`
 
     def __init__(self, stage: str, degree: int = 1, num_actors: int = 1, model_config: Any = None):
         self.stage, self.degree, self.num_actors, self.model_config = stage, degree, num_actors, model_config

@@ -63,6 +63,7 @@ from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
 _COLUMN = re.compile(r"\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
 _VOCAB = ("language_model.embed_tokens.weight", "lm_head.weight")
+_LORA = re.compile(r"^(.*)\.lora_(A|B)\.weight$")  # LoRA factors (models/lora.py): split where their base is
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -181,7 +182,17 @@ def _kv_heads(rank: int, tp: int, c) -> tuple[int, int]:
 
 
 def tp_slice(name: str, rank: int, tp: int, config) -> tuple[slice, ...] | None:
-    """Index of `rank`'s part of the full tensor `name` (TextModel names); None if it is replicated."""
+    """Index of `rank`'s part of the full tensor `name` (TextModel names); None if it is replicated. A LoRA
+    factor follows its base: B takes a column-parallel base's rows, A a row-parallel base's columns."""
+    lora = _LORA.match(name)
+    if lora:
+        base = tp_slice(f"{lora.group(1)}.weight", rank, tp, config)
+        if base is None:
+            return None
+        split = base[0] if lora.group(2) == "B" else base[1]
+        if split == slice(None):
+            return None
+        return (split, slice(None)) if lora.group(2) == "B" else (slice(None), split)
     c = _text_config(config)
     check_tp_degree(tp, c)
     head_dim = c.hidden_size // c.num_attention_heads
@@ -335,7 +346,8 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
         mlp.down_proj.register_forward_hook(reduce)
         if kv_replicated:  # each rank's k/v gradient covers only its own q heads: sum over the head's holders
             for p in (*attn.k_proj.parameters(), *attn.v_proj.parameters()):
-                p.register_hook(kv_sum)
+                if p.requires_grad:  # a frozen base (models/fine_tuning.py) has no gradient to sum
+                    p.register_hook(kv_sum)
     old = lm.embed_tokens
     lm.embed_tokens = VocabParallelEmbedding(old.weight, rank * (c.vocab_size // tp), old.padding_idx, group)
     model.lm_head.register_forward_pre_hook(copy, with_kwargs=True)

@@ -95,6 +95,7 @@ class Zero3(Layout):
     """
 
     name = "zero3"
+    takes_lora = False  # parameters added after fully_shard would be outside FSDP: unsharded, never reduced
     label = "ZeRO-3"
     stages = ("vision", "text")
     lockstep = True

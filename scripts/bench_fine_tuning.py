@@ -8,7 +8,8 @@ The shipped default layout (`tiny` preset: vision sequence-parallel 2, text tens
 the median step after a warm-up, and per rank the bytes of parameters, gradients (after the accumulation,
 before the step frees them), AdamW states and the activations its training forward kept for backward
 (saved-tensor hooks; text: embeddings, logits and loss included). Rows: `all` (full training), `vision.train
-=none` (a frozen ViT), `vision.train=merger` and `text.train=none`. CPU timings, 4 actors on this machine.
+=none` (a frozen ViT), `vision.train=merger`, `text.train=none`, LoRA rank 16 on every decoder Linear, and a
+frozen ViT with that LoRA. CPU timings, 4 actors on this machine.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 from dhp.scripts.results import write_json
 
 MODES = {"all": [], "frozen ViT": ["vision.train=none"], "merger only": ["vision.train=merger"],
-         "frozen LLM": ["text.train=none"]}
+         "frozen LLM": ["text.train=none"], "LoRA r16": ["text.train=lora", "text.lora.rank=16"],
+         "frozen ViT + LoRA r16": ["vision.train=none", "text.train=lora", "text.lora.rank=16"]}
 FULL, QUICK = dict(side=448, steps=4, samples=4), dict(side=112, steps=2, samples=2)
 
 

@@ -55,9 +55,17 @@ class VisionStageConfig(StageConfig):
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 16  # r: inner width of each adapter (A: [r, in], B: [out, r])
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input
+    targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # decoder Linear names, comma-separated
+
+
+@dataclass
 class TextStageConfig(StageConfig):
-    train: Literal["all", "none"] = "all"  # what trains: the language model, or nothing (still returns the
-    # embedding gradient when the vision side trains)
+    train: Literal["all", "lora", "none"] = "all"  # the language model; LoRA adapters on it (base frozen); nothing
+    lora: LoraConfig = field(default_factory=LoraConfig)  # used when train is lora (models/lora.py)
 
 
 @dataclass

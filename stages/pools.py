@@ -45,7 +45,9 @@ def check_layout(cfg: Config, model_config=None) -> None:
     from dhp.models.layouts import layout_class, stage_layout
     from dhp.stages.routing import check_fan
 
-    FineTuning(cfg)  # what trains: a choice that cannot run fails here
+    if FineTuning(cfg).lora is not None and not layout_class("text", cfg.text.parallelism).takes_lora:
+        raise ConfigError(f"text.train=lora is not available with text.parallelism={cfg.text.parallelism}: "
+                          f"use none or tensor")
     for stage in ("vision", "text"):
         s = getattr(cfg, stage)
         try:

@@ -20,6 +20,7 @@ from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import make_layout, stage_layout
+from dhp.models.lora import sum_partial_grads
 from dhp.models.precision import precision_of
 from dhp.models.reshard import MOMENT_SEP, SavedRanks, index_of
 from dhp.models.stage_build import build_stage
@@ -133,6 +134,7 @@ class StageWorker(DistributedWorker):
             lambda: self.build_model(self.model_config), self.layout, self.ranks, self.precision,
             seed=self.cfg.model.init_seed, path=self.cfg.model.path, freeze=self.fine_tuning.freeze,
         )
+        self.adapt()
         self.activation_checkpointing = ActivationCheckpointing(
             self.stage_cfg.activation_checkpointing, self.stage_cfg.activation_checkpointing_every
         )
@@ -146,6 +148,9 @@ class StageWorker(DistributedWorker):
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
+
+    def adapt(self) -> None:
+        """Hook point: add trainable adapters to the built, laid-out model (before the optimizer exists)."""
 
     def autocast(self):
         return self.precision.autocast(self.device, self.cfg.model.dtype)
@@ -206,13 +211,16 @@ class StageWorker(DistributedWorker):
         """
         import torch.distributed as dist
 
-        group = self.layout.grad_sync_group(self.ranks)
-        if group is SKIP_SYNC:
-            return  # e.g. ZeRO-3: FSDP already reduce-scattered (summed) every micro-batch's gradients
-        if self._synced or (self.world_size if group is None else dist.get_world_size(group)) == 1:
+        if self._synced:
             return  # idempotent: a second sync in the same step would double the gradients
         self._synced = True
         params = [p for p in self.model.parameters() if p.requires_grad]
+        sum_partial_grads(params)  # LoRA factors held whole by several TP ranks (models/lora.py)
+        group = self.layout.grad_sync_group(self.ranks)
+        if group is SKIP_SYNC:
+            return  # e.g. ZeRO-3: FSDP already reduce-scattered (summed) every micro-batch's gradients
+        if (self.world_size if group is None else dist.get_world_size(group)) == 1:
+            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -272,22 +280,27 @@ class StageWorker(DistributedWorker):
         """`full_state` with this rank's own local state first (the others arrive as object refs)."""
         return self.full_state([self.local_state(grads), *other_ranks])
 
-    def save_local(self, out_dir: str) -> str:
-        """This rank's local tensors as `{stage}-rank{rank:05d}.safetensors` in a dhp checkpoint dir."""
+    def save_local(self, out_dir: str, trained_only: bool = False) -> str:
+        """This rank's local tensors as `{stage}-rank{rank:05d}.safetensors` in a dhp checkpoint dir; with
+        `trained_only`, only those that train (the frozen rest is the base's: models/fine_tuning.py)."""
         name = f"{self.stage}-rank{self.rank:05d}.safetensors"
-        save_shard(self.local_state(), Path(out_dir), name)
+        state = self.local_state()
+        if trained_only:
+            state = {n: t for n, t in state.items() if self.fine_tuning.trainable(n)}
+        save_shard(state, Path(out_dir), name)
         return name
 
     def save_state(self, ckpt_dir: str) -> dict[str, dict[str, int | str]]:
-        """Everything this rank needs to continue exactly: its tensors, its optimizer moments (its ZeRO-1
-        share) by parameter name, LR scheduler and RNG states. Read back with safetensors and
+        """Everything this rank needs to continue exactly: its tensors (only those that train when some of
+        the stage is frozen), its optimizer moments (its ZeRO-1 share) by parameter name, LR scheduler and RNG
+        states. Read back with safetensors and
         `torch.load(weights_only=True)`: no pickled code. Returns the manifest entries of the files it
         wrote (hashed here: every rank in parallel).
 
         Moments are stored like the weights, under `{name}::{key}` with the parameter's local part (a TP
         slice, ZeRO-3 rows), not by the optimizer's local parameter index: that index means nothing in
         another layout, a name plus the layout's slicer does (`load_state` reshards by it)."""
-        tensors = self.save_local(ckpt_dir)
+        tensors = self.save_local(ckpt_dir, trained_only=self.fine_tuning.partial(self.stage))
         moments = f"{self.stage}-rank{self.rank:05d}-moments.safetensors"
         save_shard(self._named_moments(), Path(ckpt_dir), moments)
         state = {
@@ -332,9 +345,11 @@ class StageWorker(DistributedWorker):
         )
         own = self.layout.slicer(self.rank, self.full_shapes)
         with SavedRanks(ckpt, self.stage, saved, self.full_shapes) as files:
+            partial = self.fine_tuning.partial(self.stage)  # then the frozen tensors are the base's, loaded at build
             with torch.no_grad():
                 for name, t in self.model.state_dict().items():
-                    files.fill_weight(local_tensor(t), name, index_of(own, name))
+                    if not partial or self.fine_tuning.trainable(name):
+                        files.fill_weight(local_tensor(t), name, index_of(own, name))
             moments = {
                 i: {key: files.read_moment(name, key, index_of(own, name)) for key in files.moment_keys(name)}
                 for i, (name, _) in enumerate(self._optimizer_params())

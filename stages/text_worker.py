@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dhp.models.lora import add_lora
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
 from dhp.models.saved_tensors import SavedBytes
 from dhp.stages.boundary import assemble, shard_gradients
@@ -24,13 +25,19 @@ class TextWorker(StageWorker):
     def build_model(self, model_config: Any) -> TextModel:
         return TextModel(model_config)
 
+    def adapt(self) -> None:
+        if self.fine_tuning.lora is not None:  # models/lora.py: this rank's parts of the factors, split as the base
+            add_lora(self.model, self.fine_tuning.lora, self.layout, self.ranks, self.full_shapes,
+                     seed=self.cfg.model.init_seed)
+
     def setup(self) -> None:
         super().setup()
-        if not self.trains:
-            # A frozen language model still owes the vision side d loss / d embeddings. The decoder's input is
-            # made to require grad in every training forward, so every micro-batch (text-only and padding ones
-            # included) runs the same backward, and with it the same TP / ZeRO-3 collectives on every rank
-            # (invariant 2); its parameters get no gradient.
+        if self.fine_tuning.partial(self.stage):
+            # A frozen language model (or a LoRA one, whose base is frozen) still owes the vision side d loss / d
+            # embeddings, and its embedding output needs a gradient only on the TP rank that sends it back. The
+            # decoder's input is made to require grad in every training forward, so every micro-batch (text-only
+            # and padding ones included) runs the same backward on every rank, and with it the same TP / ZeRO-3
+            # collectives (invariant 2: a copy-to-region whose input needs no gradient skips its all-reduce).
             self.model.language_model.embed_tokens.register_forward_hook(_require_grad)
 
     def _measuring_changed(self, on: bool) -> None:

@@ -270,10 +270,14 @@ class Trainer:
         shutil.rmtree(staging, ignore_errors=True)
         try:
             ray.get([a.save_local.remote(str(staging)) for _, pool in self.pools() for a in pool.state_ranks(0)])
-            write_meta(staging, self.layout(), self.step, self.model_config)
+            write_meta(staging, self.layout(), self.step, self.model_config, lora=self._lora_meta())
             export_hf(staging, out_dir, self.cfg.output.max_shard_size)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    def _lora_meta(self) -> dict[str, Any] | None:
+        lora = self.fine_tuning.lora
+        return dataclasses.asdict(lora) if lora is not None else None
 
     def layout(self) -> dict[str, dict[str, Any]]:
         return {
@@ -287,10 +291,12 @@ class Trainer:
         each replica and the config; each rank hashes its own files, in parallel; written atomically and
         verified on load (checkpoint_files.py)."""
         tmp = staging_dir(root, self.step)
+        partial = [stage for stage, _ in self.pools() if self.fine_tuning.partial(stage)]
         hashed: dict[str, Any] = {}
         for entries in ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors]):
             hashed |= entries
-        write_meta(tmp, self.layout(), self.step, self.model_config)
+        write_meta(tmp, self.layout(), self.step, self.model_config, lora=self._lora_meta(), partial=partial,
+                   base={"path": self.cfg.model.path, "init_seed": self.cfg.model.init_seed} if partial else None)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
         save_config(self.cfg, tmp / "config.yaml")
         return commit(tmp, self.cfg.training.keep_last, hashed)
@@ -305,7 +311,19 @@ class Trainer:
         if problem:
             raise ConfigError(f"checkpoint {ckpt} is of another model ({problem}): it can only be resumed by a run "
                               f"of the model that wrote it")
-        saved, now = read_meta(ckpt)["layout"], self.layout()
+        meta = read_meta(ckpt)
+        saved, now = meta["layout"], self.layout()
+        base = meta.get("base")
+        here = {"path": self.cfg.model.path, "init_seed": self.cfg.model.init_seed}
+        if base and (base["init_seed"] != here["init_seed"] if not base["path"] else
+                     not here["path"] or Path(base["path"]).resolve() != Path(here["path"]).resolve()):
+            raise ConfigError(
+                f"checkpoint {ckpt} holds only the trained tensors of {', '.join(meta['partial'])}; the rest is its "
+                f"base (model.path={base['path']}, model.init_seed={base['init_seed']}), but this run's base is "
+                f"model.path={here['path']}, model.init_seed={here['init_seed']}: resume with the same base")
+        if set(meta.get("partial", [])) != {s for s, _ in self.pools() if self.fine_tuning.partial(s)}:
+            raise ConfigError(f"checkpoint {ckpt} was written with other frozen modules (partial stages "
+                              f"{meta.get('partial', [])}): resume with the same vision.train / text.train")
         if not any(ckpt.glob("*-moments.safetensors")):
             raise ConfigError(
                 f"checkpoint {ckpt} was written by an older dhp (its AdamW state is not stored by parameter name, "

@@ -27,4 +27,7 @@ def test_bench_fine_tuning_quick_rows_hold_what_each_mode_keeps(ray_session, tmp
     assert worst("frozen ViT", "vision", "activations") == 0  # forward under no_grad: nothing kept
     assert 0 < worst("merger only", "vision", "grads") < worst("all", "vision", "grads")
     assert 0 < worst("merger only", "vision", "activations") < worst("all", "vision", "activations")
+    lora = worst("LoRA r16", "text", "grads")  # the factors only: a few % of the base
+    assert 0 < lora < worst("all", "text", "grads") / 10 and worst("LoRA r16", "text", "optimizer") == 2 * lora
+    assert worst("LoRA r16", "text", "params") == worst("all", "text", "params") + lora
     assert "| frozen ViT |" in capsys.readouterr().out

@@ -78,7 +78,7 @@ def test_fine_tuning_matches_transformers(parity_setup, ray_session, tmp_path, l
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["vision.train=none", "text.train=none"], "nothing would train"),
-    (["text.train=merger"], "'text.train' expects one of \\['all', 'none'\\]"),
+    (["text.train=merger"], "'text.train' expects one of \\['all', 'lora', 'none'\\]"),
     (["text.merger_lr_scale=2"], "unknown key 'text.merger_lr_scale'"),
     (["vision.merger_lr_scale=0"], "vision.merger_lr_scale must be > 0"),
 ])

@@ -118,12 +118,20 @@ def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, r
     check_parity(parity_setup, tmp_path, layout, replicas)
 
 
-def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, probe=None) -> dict[str, torch.Tensor]:
+def hf_name(name: str) -> str:
+    """A reference parameter's name as dhp's export names it: peft's wrapping (`base_model.model.` prefix, the
+    base layer, the adapter name) taken off."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".default.", ".")
+
+
+def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, probe=None,
+                 reference=None) -> dict[str, torch.Tensor]:
     """Train `STEPS` steps of `replicas`' micro-batches under `layout` (overrides after the common ones) and
     the reference in one process: losses, gradients, norms, per-module LRs and parameters must agree, and the
     export must load in transformers. The reference freezes and groups what `layout` freezes and groups
-    (models/fine_tuning.py); dhp must hold no gradient of a frozen parameter. `probe(trainer)` runs before
-    the trainer shuts down. Returns dhp's trained parameters (HF names)."""
+    (models/fine_tuning.py); dhp must hold no gradient of a frozen parameter. `reference(ref, trainer)`, if
+    given, returns the reference to train instead (e.g. peft's LoRA model with dhp's initial factors).
+    `probe(trainer)` runs before the trainer shuts down. Returns dhp's trained parameters (HF names)."""
     ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)
     longest = max(s["input_ids"].shape[0] for s in samples)
@@ -162,11 +170,12 @@ def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, prob
         image_grid_thw=full_v["image_grid_thw"],
         mm_token_type_ids=(full_t["input_ids"] == 151655).int(),
     )
-    FineTuning(cfg).freeze(ref)
-    optimizer, scheduler = build_optimizer(ref, cfg)
-
     trainer = Trainer(cfg)
     try:
+        if reference is not None:
+            ref = reference(ref, trainer)
+        FineTuning(cfg).freeze(ref)
+        optimizer, scheduler = build_optimizer(ref, cfg)
         for pool, stage in ((trainer.vision, cfg.vision), (trainer.text, cfg.text)):  # checkpointing is on where asked
             recomputing = ray.get(pool.actors[-1].__ray_call__.remote(
                 lambda w: sum(b.gradient_checkpointing for b in w.model.blocks())))
@@ -179,7 +188,7 @@ def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, prob
             ref_loss = ref(**ref_inputs).loss
             ref_loss.backward()
             assert abs(loss - ref_loss.item()) / ref_loss.item() <= 1e-6, (step, loss, ref_loss.item())
-            ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+            ref_params = {hf_name(n): p for n, p in ref.named_parameters() if p.requires_grad}
             assert set(grads) == set(ref_params)
             errors = {n: rel_err(grads[n], p.grad) for n, p in ref_params.items()}
             worst = max(errors, key=errors.get)
@@ -198,7 +207,7 @@ def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, prob
         params = collect(trainer)
         for name, p in ref.named_parameters():
             # Absolute: Adam turns fp-rounding noise in near-zero gradients into updates of up to ~1e-2 x lr.
-            diff = (params[name] - p.detach()).abs().max().item()
+            diff = (params[hf_name(name)] - p.detach()).abs().max().item()
             assert diff <= 1e-5, f"{name} differs by {diff:.2e} after {STEPS} steps"
         if probe is not None:
             probe(trainer)
@@ -208,12 +217,28 @@ def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, prob
         trainer.save_weights(out)
         loaded = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
         assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        merged = merged_lora(params, cfg)
         for name, p in loaded.named_parameters():
-            assert torch.equal(p.detach(), params[name]), name
+            if merged[name] is params[name]:
+                assert torch.equal(p.detach(), params[name]), name
+            else:  # folded in by the export: the same sum, maybe in another order
+                assert torch.allclose(p.detach(), merged[name], rtol=0, atol=1e-6), name
         assert loaded.lm_head.weight.shape[0] == trainer.model_config.text_config.vocab_size
     finally:
         trainer.shutdown()
     return params
+
+
+def merged_lora(params: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """`params` with every LoRA pair folded into its base weight (W + alpha / r x B A) and the factors dropped:
+    what the export writes. Without LoRA, `params` itself."""
+    lora = cfg.text.lora
+    out = {n: t for n, t in params.items() if ".lora_" not in n}
+    for name in [n for n in params if n.endswith(".lora_A.weight")]:
+        base = name.removesuffix(".lora_A.weight") + ".weight"
+        delta = params[name.replace(".lora_A.", ".lora_B.")] @ params[name]
+        out[base] = params[base] + lora.alpha / lora.rank * delta
+    return out
 
 
 def test_pipelined_order_trains_like_serial(parity_setup, ray_session):

@@ -1,0 +1,110 @@
+"""LoRA on the language model's Linear layers (peft's formulation), added from outside and split like its base
+layer under tensor parallelism.
+
+    y = base(x) + (alpha / r) * B(A(dropout(x)))    A: [r, in] kaiming-uniform (nn.Linear's, peft's); B: [out, r] zeros
+
+Each target Linear gets `lora_A` / `lora_B` children (names `...q_proj.lora_A.weight`, peft's without its adapter
+name) and a forward hook that adds the update. The hook is put in front of the module's other hooks, so under
+tensor parallelism a row-parallel layer's update joins its partial sum before the all-reduce.
+
+Under TP a factor is split where its base is (`tensor_parallel.tp_slice` answers for the factors too, so
+checkpoints, resharding and export read them like any weight): a column-parallel base (q/k/v, gate/up: output
+rows split) keeps its rows of B and a whole A; a row-parallel base (o, down: input columns split) keeps its
+columns of A and a whole B. A factor that several ranks hold whole gets only a partial gradient on each (the
+other factor's part differs from rank to rank), so `sum_partial_grads` sums it over those holders before the
+step: A of a column-parallel layer over the whole TP group, B of a row-parallel one likewise, B of a replicated
+KV head over the ranks sharing that head. Each gradient element is counted once in the grad norm (`_dhp_sharded` on the
+lowest holder). Dropout under TP draws a different mask on each rank (a column-parallel layer's replicated
+input): statistically the same, not bit-identical to one process; the parity tests use dropout 0.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dhp.models.layout import Layout, PoolRanks
+
+
+def _add_update(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    x = args[0]
+    return output + module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
+
+
+def sum_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum each LoRA factor's accumulated gradient over the ranks holding the same part (`_dhp_partial`: its
+    slot among the distinct parts, their count, the model-parallel group), once per step before the data-
+    parallel sync. Not in an autograd hook: a TP rank that sends the embedding gradient back runs a larger
+    graph than the others, so hooks could fire in another order than theirs and mismatch the collectives;
+    here every rank walks the same parameters in the same order."""
+    for p in params:
+        if not hasattr(p, "_dhp_partial"):
+            continue
+        slot, slots, group = p._dhp_partial
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if slots == 1:
+            dist.all_reduce(p.grad, group=group)
+            continue
+        buf = p.grad.new_zeros(slots, *p.grad.shape)
+        buf[slot] = p.grad
+        dist.all_reduce(buf, group=group)
+        p.grad.copy_(buf[slot])
+
+
+def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
+    """(module name, Linear) of the decoder's Linears whose last name part is one of `targets`."""
+    found = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and n.startswith("language_model.layers.") and n.rsplit(".", 1)[-1] in targets]
+    if not found:
+        raise ValueError(f"text.lora.targets {targets} match no Linear of the language model's layers")
+    return found
+
+
+def add_lora(model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full_shapes: dict[str, torch.Size],
+             seed: int) -> None:
+    """Give every target Linear of `model` (a laid-out TextModel) its LoRA factors, this rank's parts of them.
+
+    `spec`: rank, alpha, dropout, targets (`text.lora`). The full factors' shapes are added to `full_shapes`.
+    A is drawn whole from a generator seeded by `seed` and the layer's name (the same on every rank, in any
+    layout), then sliced; B starts at zero.
+    """
+    targets = [t.strip() for t in spec.targets.split(",") if t.strip()]
+    found = lora_targets(model, targets)
+    for name, _ in found:
+        out_f, in_f = full_shapes[f"{name}.weight"]
+        full_shapes[f"{name}.lora_A.weight"] = torch.Size([spec.rank, in_f])
+        full_shapes[f"{name}.lora_B.weight"] = torch.Size([out_f, spec.rank])
+    replica_ranks = layout.state_ranks(ranks.replica)
+    slicers = [layout.slicer(r, full_shapes) for r in replica_ranks]
+    for name, linear in found:
+        weight = linear.weight
+        full_a = torch.empty(full_shapes[f"{name}.lora_A.weight"])
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=g)
+        for factor, full in (("lora_A", full_a), ("lora_B", torch.zeros(full_shapes[f"{name}.lora_B.weight"]))):
+            key = f"{name}.{factor}.weight"
+            parts = [repr(s(key) if s else None) for s in slicers]
+            mine = slicers[ranks.model_rank](key) if slicers[ranks.model_rank] else None
+            local = full if mine is None else full[mine]
+            sub = nn.Linear(local.shape[1], local.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                sub.weight.copy_(local)
+            setattr(linear, factor, sub)
+            holders = [j for j, p in enumerate(parts) if p == parts[ranks.model_rank]]
+            sub.weight._dhp_sharded = ranks.model_rank == holders[0]
+            if len(holders) > 1:
+                distinct = list(dict.fromkeys(parts))
+                sub.weight._dhp_partial = (distinct.index(parts[ranks.model_rank]), len(distinct), ranks.model_group)
+        linear.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        linear.lora_scaling = spec.alpha / spec.rank
+        linear.register_forward_hook(_add_update, prepend=True)
+
+
+def is_lora_factor(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name

@@ -1,0 +1,147 @@
+"""LoRA on the language model (models/lora.py) against peft's LoRA on the single-process transformers model.
+
+peft is the reference (a test dependency), not reimplemented: `get_peft_model` wraps the same checkpoint with the
+same rank, alpha and targets, its factors are set to dhp's initial ones, and tests/test_parity.py's check then
+holds loss, every trainable gradient (the LoRA factors, and the ViT's where it trains), the clip norm, the LRs and
+the parameters after 3 steps to the usual tolerances, in the `none` and `tensor` layouts (TP 2 and 4: B split
+with a column-parallel base, A with a row-parallel one, a shared KV head's B summed over its holders). The export
+merges the factors into their base weights and writes a peft adapter directory that peft loads onto the base.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from dhp.stages.config import ConfigError, load_config
+from tests.test_parity import SP2, TP2, check_parity, collect, hf_name
+
+LORA = ["text.train=lora", "text.lora.rank=4", "text.lora.alpha=8", "text.lora.dropout=0.0",
+        "text.lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "training.max_grad_norm=0.1"]
+CASES = {
+    "1v1t": ([], [[[0], [1], [2]]]),
+    # the mission layout, the ViT training too: text rank 0 sends the embedding gradient back, rank 1 does not
+    "sp2-tp2": (SP2 + TP2, [[[0, 1], [2]]]),
+    # TP 4 over 2 KV heads: each head's k/v rows (and their B) held by two ranks, summed over those two
+    "tp4-frozen-vit": (["text.parallelism=tensor", "text.num_actors=4", "text.degree=4", "vision.train=none"],
+                       [[[0], [1, 2]]]),
+}
+
+
+def peft_reference(ref, trainer):
+    """peft's LoRA model of `ref` with dhp's initial factors (gathered from the trainer's ranks)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = trainer.cfg.text.lora
+    targets = "|".join(lora.targets.split(","))
+    model = get_peft_model(ref, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                           target_modules=rf".*language_model\.layers\.\d+\..*\.({targets})"))
+    initial = collect(trainer)
+    with torch.no_grad():
+        factors = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+        assert len(factors) == 2 * 7 * trainer.model_config.text_config.num_hidden_layers
+        for name, p in factors:
+            p.copy_(initial[hf_name(name)])
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_matches_peft(parity_setup, ray_session, tmp_path, case):
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    layout, replicas = CASES[case]
+    base_grads = {}
+
+    def probe(trainer):
+        stats = ray.get([a.__ray_call__.remote(
+            lambda w: (sum(p.grad is not None for n, p in w.model.named_parameters() if ".lora_" not in n),
+                       w.optimizer is not None)) for a in trainer.text.actors])
+        base_grads["text"] = stats
+
+    params = check_parity(parity_setup, tmp_path, layout + LORA, replicas, probe, reference=peft_reference)
+    assert all(n == 0 and has_opt for n, has_opt in base_grads["text"])  # base frozen, factors stepped
+    initial = parity_setup[0].state_dict()
+    for name, t in params.items():
+        if name.startswith(("model.language_model.", "lm_head.")) and ".lora_" not in name:
+            assert torch.equal(t, initial[name]), f"frozen base {name} changed"
+    assert any(".lora_B." in n and t.abs().sum() > 0 for n, t in params.items())  # B left zero: it trained
+
+    # the export's adapter directory: peft loads it onto the base and computes the merged model
+    adapter = tmp_path / "export" / "adapter"
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(parity_setup[1]).float()
+    peft_model = PeftModel.from_pretrained(base, adapter)
+    merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "export").float()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                assert torch.equal(p, params[hf_name(name)]), name
+        folded = dict(peft_model.merge_and_unload().named_parameters())
+        for name, p in merged.named_parameters():  # the language model: peft's merge of the adapter onto the
+            if name.startswith("model.language_model."):  # base equals dhp's merged export
+                assert torch.allclose(p, folded[name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["text.parallelism=zero3", "text.num_actors=2"], "text.train=lora is not available with text.parallelism=zero3"),
+    (["text.lora.rank=0"], "text.lora.rank must be >= 1"),
+    (["text.lora.targets= ,"], "text.lora.targets names no layer"),
+])
+def test_lora_rejects_what_cannot_run(overrides, message):
+    from dhp.stages.pools import check_layout
+
+    with pytest.raises(ConfigError, match=message):
+        check_layout(load_config("tiny", ["text.train=lora", *overrides]))
+
+
+def test_lora_checkpoint_holds_only_what_trains_and_resumes(parity_setup, ray_session, tmp_path):
+    """A frozen ViT and a LoRA language model: the checkpoint's rank files hold only the LoRA factors (and their
+    moments) plus a pointer to the base; a new run resumes them bit-identically, and `dhp export-hf` rebuilds
+    the whole merged model from the base it points to."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from dhp.dataflow.loader import GlobalBatch
+    from dhp.stages.cli import main
+    from dhp.stages.trainer import Trainer
+    from tests.test_parity import _microbatch, merged_lora
+
+    _, ckpt, samples = parity_setup
+    cfg = load_config("tiny", LORA + ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
+                                      "vision.train=none", *TP2, f"model.path={ckpt}", "training.steps=3",
+                                      "data.microbatch_tokens=1024", "vision.num_cpus_per_actor=0.5",
+                                      "text.num_cpus_per_actor=0.5"])
+    batches = [GlobalBatch([_microbatch(samples[:2], cfg)], epoch=0)]
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step(batches)
+        saved = trainer.save_checkpoint(tmp_path / "checkpoints", batches)
+        params = collect(trainer)
+    finally:
+        trainer.shutdown()
+    meta = json.loads((saved / "dhp_checkpoint.json").read_text())
+    assert sorted(meta["partial"]) == ["text", "vision"] and meta["base"]["path"] == str(ckpt)
+    for f in saved.glob("*-rank*.safetensors"):
+        with safe_open(f, framework="pt") as h:
+            assert all(".lora_" in k for k in h.keys()), f.name  # vision files: empty
+            assert bool(list(h.keys())) == f.name.startswith("text"), f.name
+
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.restore_checkpoint(saved) == 1
+        resumed = collect(trainer)
+    finally:
+        trainer.shutdown()
+    assert resumed.keys() == params.keys()
+    for name, t in params.items():
+        assert torch.equal(resumed[name], t), name
+
+    assert main(["export-hf", "--checkpoint", str(saved), "--out", str(tmp_path / "hf")]) == 0
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf")
+    expected = merged_lora(params, cfg)
+    for name, p in hf.named_parameters():
+        assert torch.allclose(p.detach(), expected[name], rtol=0, atol=1e-6), name
+    assert (tmp_path / "hf" / "adapter" / "adapter_config.json").is_file()
