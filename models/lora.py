@@ -25,10 +25,10 @@ import zlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dhp.models.layout import Layout, PoolRanks
+from dhp.models.tensor_parallel import sum_over_holders
 
 
 def _add_update(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -45,16 +45,9 @@ def sum_partial_grads(params: list[nn.Parameter]) -> None:
     for p in params:
         if not hasattr(p, "_dhp_partial"):
             continue
-        slot, slots, group = p._dhp_partial
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if slots == 1:
-            dist.all_reduce(p.grad, group=group)
-            continue
-        buf = p.grad.new_zeros(slots, *p.grad.shape)
-        buf[slot] = p.grad
-        dist.all_reduce(buf, group=group)
-        p.grad.copy_(buf[slot])
+        p.grad.copy_(sum_over_holders(p.grad, *p._dhp_partial))
 
 
 def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:

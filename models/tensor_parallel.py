@@ -289,7 +289,10 @@ def _reduce_hook(group, module, args, output):
     return _ReduceFromRegion.apply(output, group)
 
 
-def _sum_over_kv_replicas(grad, slot: int, slots: int, group):
+def sum_over_holders(grad: torch.Tensor, slot: int, slots: int, group) -> torch.Tensor:
+    """The sum of `grad` over the ranks of `group` holding the same part as this one: each rank writes its part
+    into its `slot` of `slots` (one per distinct part) and the whole buffer is all-reduced, so every rank calls
+    the same collective whatever it holds (replicated KV heads; LoRA factors held whole, models/lora.py)."""
     buf = grad.new_zeros(slots, *grad.shape)
     buf[slot] = grad
     dist.all_reduce(buf, group=group)
@@ -334,7 +337,7 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
 
     copy = functools.partial(_copy_hook, group)
     reduce = functools.partial(_reduce_hook, group)
-    kv_sum = functools.partial(_sum_over_kv_replicas, slot=kv_first, slots=c.num_key_value_heads, group=group)
+    kv_sum = functools.partial(sum_over_holders, slot=kv_first, slots=c.num_key_value_heads, group=group)
     for layer in lm.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.num_heads = c.num_attention_heads // tp
