@@ -100,16 +100,15 @@ def export_hf(
                 from_base[e.name][0].read_into(from_base[e.name][1], out)
             else:
                 out = _assemble(*sources[e.name], e)
-            a, b = (factors.get(e.name.removesuffix(".weight") + f".lora_{f}.weight") for f in "AB")
+            a, b = (adapters.get(e.name.removesuffix(".weight") + f".lora_{f}.weight") for f in "AB")
             if a is not None and b is not None:  # a LoRA-adapted weight, written merged
-                delta = _assemble(*sources[b.name], b).float() @ _assemble(*sources[a.name], a).float()
-                out = (out.float() + lora["alpha"] / lora["rank"] * delta).to(e.dtype)
+                out = (out.float() + lora["alpha"] / lora["rank"] * (b.float() @ a.float())).to(e.dtype)
             return out
 
+        adapters = {h: _assemble(*sources[h], e) for h, e in factors.items()}  # full factors: r x the layers' width
         weight_map = write_shards(out_dir, entries, produce, max_shard_size)
-        if factors:
-            write_adapter(out_dir / "adapter", {h: _assemble(*sources[h], e) for h, e in factors.items()}, lora,
-                          str(out_dir))
+        if adapters:
+            write_adapter(out_dir / "adapter", adapters, lora, str(out_dir))
     finally:
         for h in readers:
             h.close()
