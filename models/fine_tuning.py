@@ -43,8 +43,6 @@ from torch import nn
 from dhp.models.lora import is_lora_factor
 from dhp.stages.config import Config, ConfigError
 
-MODULES = ("vision_blocks", "merger", "text")
-
 
 @dataclass(frozen=True)
 class ModuleGroup:

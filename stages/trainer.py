@@ -275,6 +275,14 @@ class Trainer:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
+    def _partial_stages(self) -> list[str]:
+        """The stages of which only a part trains: their checkpoints hold that part (models/fine_tuning.py)."""
+        return [stage for stage, _ in self.pools() if self.fine_tuning.partial(stage)]
+
+    def _base(self) -> dict[str, Any]:
+        """Where the frozen rest of a partial checkpoint comes from: `model.path`, else the seeded init."""
+        return {"path": self.cfg.model.path, "init_seed": self.cfg.model.init_seed}
+
     def _lora_meta(self) -> dict[str, Any] | None:
         lora = self.fine_tuning.lora
         return dataclasses.asdict(lora) if lora is not None else None
@@ -291,12 +299,12 @@ class Trainer:
         each replica and the config; each rank hashes its own files, in parallel; written atomically and
         verified on load (checkpoint_files.py)."""
         tmp = staging_dir(root, self.step)
-        partial = [stage for stage, _ in self.pools() if self.fine_tuning.partial(stage)]
+        partial = self._partial_stages()
         hashed: dict[str, Any] = {}
         for entries in ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors]):
             hashed |= entries
         write_meta(tmp, self.layout(), self.step, self.model_config, lora=self._lora_meta(), partial=partial,
-                   base={"path": self.cfg.model.path, "init_seed": self.cfg.model.init_seed} if partial else None)
+                   base=self._base() if partial else None)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
         save_config(self.cfg, tmp / "config.yaml")
         return commit(tmp, self.cfg.training.keep_last, hashed)
@@ -313,15 +321,13 @@ class Trainer:
                               f"of the model that wrote it")
         meta = read_meta(ckpt)
         saved, now = meta["layout"], self.layout()
-        base = meta.get("base")
-        here = {"path": self.cfg.model.path, "init_seed": self.cfg.model.init_seed}
-        if base and (base["init_seed"] != here["init_seed"] if not base["path"] else
-                     not here["path"] or Path(base["path"]).resolve() != Path(here["path"]).resolve()):
+        base, here = meta.get("base"), self._base()
+        if base and not _same_base(base, here):
             raise ConfigError(
                 f"checkpoint {ckpt} holds only the trained tensors of {', '.join(meta['partial'])}; the rest is its "
                 f"base (model.path={base['path']}, model.init_seed={base['init_seed']}), but this run's base is "
                 f"model.path={here['path']}, model.init_seed={here['init_seed']}: resume with the same base")
-        if set(meta.get("partial", [])) != {s for s, _ in self.pools() if self.fine_tuning.partial(s)}:
+        if set(meta.get("partial", [])) != set(self._partial_stages()):
             raise ConfigError(f"checkpoint {ckpt} was written with other frozen modules (partial stages "
                               f"{meta.get('partial', [])}): resume with the same vision.train / text.train")
         if not any(ckpt.glob("*-moments.safetensors")):
@@ -376,3 +382,9 @@ class Trainer:
             ray.kill(loader, no_restart=True)
         self.placement.remove()
 
+
+def _same_base(saved: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Whether this run builds the base a partial checkpoint was trained on (`Trainer._base` of each)."""
+    if not saved["path"]:  # a seeded init
+        return saved["init_seed"] == here["init_seed"]
+    return bool(here["path"]) and Path(saved["path"]).resolve() == Path(here["path"]).resolve()
