@@ -104,13 +104,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def _stage_options(stage: str, n: int) -> list[tuple[str, int]]:
-    kinds = ("none", "sequence", "tensor", "zero3") if stage == "vision" else ("none", "tensor", "zero3")
+    """(parallelism, degree) of one pool of n ranks, for every layout of the stage: one with a model-parallel
+    group (its `check_degree` takes 2) at every divisor of n above 1, the others (plain replicas, ZeRO-3 over the
+    pool) at degree 1."""
+    from dhp.models.layouts import available, layout_class
+
     out = []
-    for kind in kinds:
-        if kind in ("none", "zero3"):
-            out.append((kind, 1))
-        else:
+    for kind in available(stage):
+        if layout_class(stage, kind).check_degree(stage, 2) is None:
             out += [(kind, d) for d in _divisors(n) if d > 1]
+        else:
+            out.append((kind, 1))
     return out
 
 
