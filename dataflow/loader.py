@@ -49,6 +49,7 @@ class GlobalBatch:
     skipped: dict[str, int] = field(default_factory=dict)  # new skips (by reason) since the last batch
     state: dict[str, Any] = field(default_factory=dict)  # the loader's `state()` right after this batch
     quarantined: list[dict[str, str]] = field(default_factory=list)  # the skipped records: source, error, detail
+    ids: list[tuple[int, str]] = field(default_factory=list)  # (epoch, source) of each sample trained, in order
 
     @property
     def label_tokens(self) -> int:
@@ -233,7 +234,7 @@ class BatchLoader:
     def next_batch(self) -> GlobalBatch | None:
         """The next global batch, or None when a non-repeating stream is exhausted."""
         before = Counter(self.skipped)
-        samples, bad = [], []
+        samples, bad, ids = [], [], []
         while len(samples) < self.global_batch_size:
             row = self._next_row()
             if row is None:
@@ -246,6 +247,7 @@ class BatchLoader:
                 continue
             self.good += 1
             samples.append(decode_sample(row["sample"]))
+            ids.append((self.epoch, row["source"]))
         if not samples:
             return None
         microbatches = []
@@ -255,7 +257,7 @@ class BatchLoader:
             meta = meta_of(vision, text)
             parts = split_for_ranks(vision, text, self.vision_sp, self.args[2])
             microbatches.append(MicroBatch([ray.put(p) for p in parts], ray.put(text), meta))
-        return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before), self.state(), bad)
+        return GlobalBatch(microbatches, self.epoch, dict(self.skipped - before), self.state(), bad, ids)
 
     def skip_report(self) -> dict[str, Any]:
         return {"counts": dict(self.skipped), "examples": list(self.skip_examples), "good": self.good}

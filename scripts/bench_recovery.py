@@ -1,15 +1,29 @@
-"""`dhp bench recovery`: how long a tiny run takes to notice a killed stage actor and to train again.
+"""`dhp bench recovery`: what each kind of cluster fault costs a tiny run, and that none loses or repeats data.
 
-A real `dhp train` subprocess (its own local Ray, the default layout: vision SP2, text TP2, pipelined)
-checkpoints every `--checkpoint-every` steps; once step `--kill-after` is on disk the script SIGKILLs
-vision rank 1's process (its pid is in the start-up placement lines) and reads the rest from the run:
+Every run is a real `dhp train` subprocess (the default layout: vision SP2, text TP2, pipelined) that
+checkpoints every `checkpoint_every` steps; once step `at` is in metrics.jsonl the fault is made:
 
-  detect_s    kill -> the driver's fault record (`summary.json` restarts[].detected_at)
-  recover_s   kill -> the first step finished after the restart (`metrics.jsonl` wall `time`), i.e. both
-              pools rebuilt, checkpoint loaded, data stream repositioned, one step trained
-  steps_lost  steps finished before the kill that the restart trained again (kill step - checkpoint step)
+  actor    SIGKILL vision rank 1's process (its pid is in the start-up placement lines)
+  node     a 3-node cluster (scripts/local_cluster.py), the vision pool on one node and the text pool on
+           another (`pipeline.placement=disjoint`, `vision/text.resources`): the text node is killed with all
+           its processes and a replacement node joins
+  hang     SIGSTOP vision rank 1: nothing fails, the step deadline (`training.step_timeout_s`) must notice
+  preempt  SIGINT to the driver: it finishes the step, checkpoints and exits with status 75; a second
+           `dhp train` of the same run (`training.resume=auto`) continues
+  save     the checkpoint write of the next checkpoint step fails with ENOSPC on text rank 0
+           (DHP_INJECT_FAULT, stages/fault_injection.py); the run continues, the next checkpoint is written
 
-Usage: dhp bench recovery [--json PATH] [--quick]
+and read back from the run:
+
+  detect_s     fault -> the driver's record of it (summary.json restarts[].detected_at; preempt: the signal's
+               acknowledgement line; save: the failure line)
+  recover_s    fault -> the first step finished after it (metrics.jsonl wall `time`): pools rebuilt, checkpoint
+               loaded, data stream repositioned, one step trained (preempt: includes starting the run again)
+  steps_redone steps finished before the fault that were trained again (kill step - checkpoint step)
+  losses_equal every step's loss equals the uninterrupted reference run's (bit for bit)
+  samples_ok   every finished epoch trained each of its samples exactly once (samples.jsonl)
+
+Usage: dhp bench recovery [--json PATH] [--quick] [--kinds actor,node,...] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -22,72 +36,225 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dhp.scripts.results import write_json
 
+KINDS = ("actor", "node", "hang", "preempt", "save")
+SAMPLES = 16  # synthetic training records: with a global batch of 4, an epoch is 4 steps
+HANG_TIMEOUT_S = 20
 
-def start_run(out: Path, name: str, steps: int, checkpoint_every: int, *extra: str) -> subprocess.Popen:
+
+def start_run(out: Path, name: str, steps: int, checkpoint_every: int, *extra: str,
+              env: dict[str, str] | None = None) -> Run:
     cmd = [sys.executable, "-m", "dhp.stages.cli", "train", f"output.dir={out}/runs", f"output.name={name}",
-           f"data.synthetic.dir={out}/synth", "data.synthetic.num=48", "data.synthetic.eval_num=8",
+           f"data.synthetic.dir={out}/synth", f"data.synthetic.num={SAMPLES}", "data.synthetic.eval_num=4",
            f"training.steps={steps}", f"training.checkpoint_every={checkpoint_every}", "training.eval_every=0",
-           "training.eval_batches=1", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+           "training.eval_batches=1", "training.global_batch_size=4", "training.warmup_steps=2", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return Run(proc, out / "runs" / name)
 
 
-def kill_vision_actor_after_step(proc: subprocess.Popen, run: Path, step: int, timeout_s: float = 600) -> float:
+class Run:
+    """A `dhp train` subprocess; its output lines are read (with their arrival times) by a thread."""
+
+    def __init__(self, proc: subprocess.Popen, run_dir: Path):
+        self.proc, self.dir = proc, run_dir
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line))
+
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def first(self, pattern: str, timeout_s: float = 600) -> tuple[float, re.Match]:
+        """(arrival time, match) of the first output line matching `pattern`, waiting for it."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            for at, line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return at, m
+            if self.proc.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"the run printed no line matching {pattern!r}:\n{self.output()[-3000:]}")
+
+    def pid_of(self, stage: str, rank: int) -> int:
+        return int(self.first(rf"{stage}\s+rank {rank}: .* pid (\d+)")[1].group(1))
+
+    def wait_for_step(self, step: int, timeout_s: float = 600) -> None:
+        deadline, metrics = time.time() + timeout_s, self.dir / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the run ended or stalled before step {step}:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout_s: float = 1200) -> int:
+        code = self.proc.wait(timeout_s)
+        self.reader.join(10)
+        return code
+
+    def steps_done(self) -> int:
+        metrics = self.dir / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_vision_actor_after_step(run: Run, step: int) -> float:
     """SIGKILL vision rank 1 once `step` steps are in metrics.jsonl; returns the kill's wall time."""
-    seen = []
-    for line in proc.stdout:  # the placement summary comes first
-        seen.append(line)
-        if m := re.search(r"vision rank 1: .* pid (\d+)", line):
-            pid = int(m.group(1))
-            break
-    else:
-        raise RuntimeError("the run printed no placement line:\n" + "".join(seen))
-    deadline, metrics = time.time() + timeout_s, run / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step):
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"the run ended or stalled before step {step}")
-        time.sleep(0.1)
+    pid = run.pid_of("vision", 1)
+    run.wait_for_step(step)
     os.kill(pid, signal.SIGKILL)
     return time.time()
 
 
-def measure(out: Path, steps: int, checkpoint_every: int, kill_after: int) -> dict:
-    run = out / "runs" / "recovery"
-    proc = start_run(out, "recovery", steps, checkpoint_every)
-    killed_at = kill_vision_actor_after_step(proc, run, kill_after)
-    _, err = proc.communicate(timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the run failed after the kill:\n{err[-3000:]}")
-    summary = json.loads((run / "summary.json").read_text())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    resumed_step = int(re.search(r"step_(\d+)", summary["resumed_from"] or "step_0").group(1))
-    after = [r for r in records if r["step"] == resumed_step + 1]
-    done_before_kill = max(r["step"] for r in records if r["time"] < killed_at) if records else 0
+@dataclass
+class Fault:
+    run: Run  # the run that finished the training
+    at: float  # wall time of the fault
+    done: int  # steps finished when it struck
+    detected: float | None = None  # when the run acknowledged it, if read from its output
+    runs: list[Run] = field(default_factory=list)  # every run involved (their output is kept with --keep)
+    nodes: list[str] = field(default_factory=list)  # node ids of a multi-node cluster
+
+
+def trained_ids(run_dir: Path) -> dict[int, Counter]:
+    """epoch -> how many times each sample id was trained, over every stream (samples.jsonl)."""
+    out: dict[int, Counter] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        for epoch, source in json.loads(line)["ids"]:
+            out.setdefault(epoch, Counter())[source] += 1
+    return out
+
+
+def epochs_exact(run_dir: Path, train_file: Path, steps: int, per_step: int) -> bool:
+    """Each finished epoch trained every record of the training file once, nothing else."""
+    good = {f"{train_file.resolve()}:{i + 1}" for i in range(len(train_file.read_text().splitlines()))}
+    ids = trained_ids(run_dir)
+    finished = steps * per_step // len(good)
+    return finished >= 1 and all(set(ids.get(e, {})) == good and set(ids[e].values()) == {1} for e in range(finished))
+
+
+def _fault(kind: str, out: Path, steps: int, every: int, at: int) -> Fault:
+    if kind == "actor":
+        run = start_run(out, kind, steps, every)
+        killed = kill_vision_actor_after_step(run, at)
+        return Fault(run, killed, run.steps_done(), runs=[run])
+    if kind == "hang":
+        run = start_run(out, kind, steps, every, f"training.step_timeout_s={HANG_TIMEOUT_S}")
+        pid = run.pid_of("vision", 1)
+        run.wait_for_step(at)
+        os.kill(pid, signal.SIGSTOP)
+        return Fault(run, time.time(), run.steps_done(), runs=[run])
+    if kind == "preempt":
+        first = start_run(out, kind, steps, every)
+        first.wait_for_step(at)
+        os.kill(first.proc.pid, signal.SIGINT)
+        sent, done = time.time(), first.steps_done()
+        detected = first.first(r"SIGINT received")[0]
+        if first.finish() != 75:
+            raise RuntimeError(f"a preempted run must exit with status 75:\n{first.output()[-3000:]}")
+        second = start_run(out, kind, steps, every)
+        return Fault(second, sent, done, detected, [first, second])
+    if kind == "save":
+        # The first checkpoint step after `at`; text rank 0 fails it with ENOSPC once.
+        fail = (at // every + 1) * every
+        run = start_run(out, kind, steps, every, env={"DHP_INJECT_FAULT": f"enospc@text:0:{fail}"})
+        at_line, _ = run.first(rf"checkpoint of step {fail} failed")
+        return Fault(run, at_line, fail, at_line, [run])
+    if kind == "node":
+        return _node_fault(out, steps, every, at)
+    raise ValueError(f"unknown fault kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+
+def _node_fault(out: Path, steps: int, every: int, at: int) -> Fault:
+    from dhp.scripts.local_cluster import LocalCluster
+
+    cluster = LocalCluster(head_cpus=2)
+    try:
+        nodes = [cluster.add("vision", 1, {"vision_node": 2}), cluster.add("text", 1, {"text_node": 2})]
+        run = start_run(out, "node", steps, every, f"ray.address={cluster.address}", "pipeline.placement=disjoint",
+                        "vision.resources={vision_node: 1}", "text.resources={text_node: 1}")
+        run.wait_for_step(at)
+        cluster.kill("text")
+        fault = Fault(run, time.time(), run.steps_done(), runs=[run], nodes=nodes)
+        nodes.append(cluster.add("text-replacement", 1, {"text_node": 2}))
+        run.finish()  # before the cluster goes
+        return fault
+    finally:
+        cluster.shutdown()
+
+
+def measure(kind: str, out: Path, steps: int, every: int, at: int, reference: list[float]) -> dict[str, Any]:
+    fault = _fault(kind, out, steps, every, at)
+    run, fault_at, detected = fault.run, fault.at, fault.detected
+    code = run.finish()
+    if code != 0:
+        raise RuntimeError(f"the {kind} run failed:\n{run.output()[-3000:]}")
+    summary = json.loads((run.dir / "summary.json").read_text())
+    records = run.records()
+    if detected is None:
+        detected = summary["restarts"][0]["detected_at"]
+    resumed = int(re.search(r"step_(\d+)", summary["resumed_from"] or "step_0").group(1))
+    if summary["resumed_from"]:  # the first step the rebuilt (or restarted) run trained
+        after = next(r["time"] for r in records if r["step"] == resumed + 1)
+    else:  # it never stopped training (a failed save)
+        after = min((r["time"] for r in records if r["time"] > detected), default=float("nan"))
+    losses = [r["loss"] for r in records]
     return {
-        "detect_s": round(summary["restarts"][0]["detected_at"] - killed_at, 3),
-        "recover_s": round(after[0]["time"] - killed_at, 3),
-        "steps_lost": max(0, done_before_kill - resumed_step),
-        "killed_after_step": kill_after,
-        "resumed_from_step": resumed_step,
-        "checkpoint_every": checkpoint_every,
-        "steps": steps,
+        "kind": kind,
+        "detect_s": round(detected - fault_at, 3),
+        "recover_s": round(after - fault_at, 3),
+        "steps_redone": max(0, fault.done - resumed) if summary["resumed_from"] else 0,
+        "fault_after_step": at,
+        "resumed_from_step": resumed,
+        "restarts": [{k: v for k, v in r.items() if k != "detected_at"} for r in summary["restarts"]],
+        "steps_in_order": [r["step"] for r in records] == list(range(1, steps + 1)),
+        "losses_equal": losses == reference,
+        "max_loss_diff": max((abs(a - b) for a, b in zip(losses, reference)), default=0.0),
+        "samples_ok": epochs_exact(run.dir, out / "synth" / "train.jsonl", steps, 4),
         "step_time_s": round(sorted(r["step_time_s"] for r in records)[len(records) // 2], 3),
+        "checkpoint_every": every,
+        "steps": steps,
+        "nodes": fault.nodes,
+        "run_dir": str(run.dir),
+        "output": [r.output()[-20000:] for r in fault.runs],
     }
 
 
 def main(args: argparse.Namespace) -> int:
-    steps, every, kill = (6, 2, 3) if args.quick else (12, 4, 7)
+    steps, every, at = (8, 2, 3) if args.quick else (12, 4, 7)
+    kinds = [k.strip() for k in (args.kinds or ",".join(KINDS)).split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        print(f"dhp: error: unknown fault kind {unknown[0]!r}; kinds: {', '.join(KINDS)}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
-        row = measure(Path(tmp), steps, every, kill)
-    print(f"{'detect_s':>9} {'recover_s':>10} {'steps_lost':>10} {'step_time_s':>11}")
-    print(f"{row['detect_s']:>9.2f} {row['recover_s']:>10.2f} {row['steps_lost']:>10d} {row['step_time_s']:>11.3f}")
+        out = Path(args.keep) if args.keep else Path(tmp)
+        ref = start_run(out, "reference", steps, every)
+        if ref.finish() != 0:
+            raise RuntimeError(f"the reference run failed:\n{ref.output()[-3000:]}")
+        reference = [r["loss"] for r in ref.records()]
+        rows = [measure(kind, out, steps, every, at, reference) for kind in kinds]
+    print(f"{'fault':8s} {'detect_s':>9} {'recover_s':>10} {'steps_redone':>12} {'losses_equal':>12} "
+          f"{'samples_ok':>10}")
+    for r in rows:
+        print(f"{r['kind']:8s} {r['detect_s']:>9.2f} {r['recover_s']:>10.2f} {r['steps_redone']:>12d} "
+              f"{str(r['losses_equal']):>12} {str(r['samples_ok']):>10}")
     if args.json:
-        write_json(args.json, [row])
+        write_json(args.json, [{k: v for k, v in r.items() if k != "output" or args.keep} for r in rows])
     return 0
 
 
@@ -95,4 +262,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kinds", default=None)
+    parser.add_argument("--keep", default=None)
     sys.exit(main(parser.parse_args()))

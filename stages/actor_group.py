@@ -20,7 +20,12 @@ from dhp.stages import rendezvous
 
 
 class DistributedWorker:
-    """Base class of stage workers: process-group setup, thread count, device."""
+    """Base class of stage workers: process-group setup, thread count, device.
+
+    Stage calls run one at a time in the actor's default concurrency group; `heartbeat` runs in its own
+    ("health", one thread), so it answers while a call computes or waits in a collective, and only a process
+    that cannot run at all (stopped, deadlocked holding the GIL, gone) leaves it unanswered (stages/watchdog.py).
+    """
 
     def __init__(self, rank: int, world_size: int, torch_threads: int = 1):
         self.rank, self.world_size = rank, world_size
@@ -57,10 +62,15 @@ class DistributedWorker:
     def ping(self) -> int:
         return self.rank
 
+    @ray.method(concurrency_group="health")
+    def heartbeat(self) -> int:
+        return os.getpid()
+
     def where(self) -> dict[str, Any]:
         """Node, process and devices of this actor, for the start-up placement summary."""
         return {
             "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),  # several nodes may share an IP (one machine)
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "threads": torch.get_num_threads(),
@@ -83,12 +93,15 @@ class ActorGroup:
         degree: int = 1,
         placement_timeout_s: float = 300,
         placement: list[tuple[Any, int]] | None = None,
+        ledger: CallLedger | None = None,
     ):
-        """`placement`: (placement group, bundle index) per actor (placement.py); None = anywhere."""
+        """`placement`: (placement group, bundle index) per actor (placement.py); None = anywhere. Every call
+        made through `actors` is written to `ledger` (which call each rank is in, for the hang report)."""
         if num_actors % degree:
             raise ValueError(f"{name}: {num_actors} actors cannot form groups of {degree}")
         self.name, self.degree, self.dp = name, degree, num_actors // degree
-        remote_cls = ray.remote(worker_cls)
+        self.ledger = ledger if ledger is not None else CallLedger()
+        remote_cls = ray.remote(concurrency_groups={"health": 1})(worker_cls)
 
         def options(rank: int) -> dict[str, Any]:
             if placement is None:
@@ -97,16 +110,16 @@ class ActorGroup:
             return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, bundle)}
 
         self.actors = [
-            remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, **options(rank)).remote(
+            TrackedActor(remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, **options(rank)).remote(
                 *init_args, rank=rank, world_size=num_actors, torch_threads=torch_threads
-            )
+            ), name, rank, self.ledger)
             for rank in range(num_actors)
         ]
         pings = [a.ping.remote() for a in self.actors]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=placement_timeout_s)
         if len(ready) < len(pings):  # a rendezvous with missing ranks would wait forever
             for actor in self.actors:
-                ray.kill(actor, no_restart=True)
+                ray.kill(actor.handle, no_restart=True)
             raise RuntimeError(
                 f"only {len(ready)} of {num_actors} {name} actors started within {placement_timeout_s:g} s: "
                 f"the cluster lacks the resources ({num_cpus:g} CPU, {num_gpus:g} GPU per actor)"
@@ -131,5 +144,64 @@ class ActorGroup:
 
     def shutdown(self) -> None:
         for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+            ray.kill(actor.handle, no_restart=True)  # a stopped (SIGSTOP) process is killed all the same
         self.actors = []
+
+
+class CallLedger:
+    """The actor calls the driver submitted and has not yet seen finish, oldest first: the call a hung rank
+    is in is its oldest unfinished one (an actor runs its calls in order). Finished entries are dropped
+    whenever the ledger doubles, so it holds about the calls in flight (their first return reference each)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[ray.ObjectRef, tuple[str, int, str]] = {}
+        self._prune_at = 64
+
+    def add(self, ref: ray.ObjectRef, stage: str, rank: int, method: str) -> None:
+        self.calls[ref] = (stage, rank, method)
+        if len(self.calls) >= self._prune_at:
+            self.prune()
+            self._prune_at = max(64, 2 * len(self.calls))
+
+    def prune(self) -> None:
+        refs = list(self.calls)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False) if refs else ([], [])
+        for ref in done:
+            del self.calls[ref]
+
+    def in_call(self) -> dict[tuple[str, int], str]:
+        """(stage, rank) -> the method of its oldest unfinished call."""
+        self.prune()
+        out: dict[tuple[str, int], str] = {}
+        for stage, rank, method in self.calls.values():
+            out.setdefault((stage, rank), method)
+        return out
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+class TrackedActor:
+    """An actor handle whose calls are written to a `CallLedger` as (stage, rank, method). `handle` is the
+    Ray handle itself (for `ray.kill`)."""
+
+    def __init__(self, handle: Any, stage: str, rank: int, ledger: CallLedger):
+        self.handle, self.stage, self.rank, self.ledger = handle, stage, rank, ledger
+
+    def __getattr__(self, name: str) -> _TrackedMethod:
+        return _TrackedMethod(getattr(self.handle, name), self, name)
+
+
+class _TrackedMethod:
+    def __init__(self, method: Any, actor: TrackedActor, name: str):
+        self.method, self.actor, self.name = method, actor, name
+
+    def options(self, **kwargs: Any) -> _TrackedMethod:
+        return _TrackedMethod(self.method.options(**kwargs), self.actor, self.name)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.method.remote(*args, **kwargs)
+        first = out[0] if isinstance(out, list) and out else out
+        if isinstance(first, ray.ObjectRef) and self.name != "heartbeat":
+            self.actor.ledger.add(first, self.actor.stage, self.actor.rank, self.name)
+        return out

@@ -12,7 +12,7 @@
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M] [--scenario S]  (pipeline, pool sizes)
-    dhp bench recovery [--json PATH] [--quick]                (time to detect a killed actor and train again)
+    dhp bench recovery [--json PATH] [--quick] [--kinds K,..] (per fault kind: time to detect, to train again)
     dhp bench data [--json PATH] [--quick]                    (Ray Data preprocessing vs a plain loop; data wait)
     dhp bench memory --json PATH [--quick] [--no-measure]     (bytes per rank by shape/layout/precision; build RSS)
     dhp bench checkpointing [--json PATH] [--quick]           (activation checkpointing: bytes saved, time cost)
@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from dhp.stages.config import ConfigError, load_config
+from dhp.stages.preemption import PREEMPTED_EXIT, Preempted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,9 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     layouts.add_argument("--budget-gib", type=float, default=40.0, help="per-rank activation budget")
     layouts.add_argument("--dtype-bytes", type=int, default=2, help="bytes per activation element, real-shape rows")
     layouts.add_argument("--plot", default=None, help="write the PNG here (default: the --json path with .png)")
-    recovery = bench.add_parser("recovery", help="kill a stage actor mid-run: detect / recover time, steps lost")
+    recovery = bench.add_parser("recovery", help="faults mid-run (actor, node, hang, preempt, save): recovery")
     recovery.add_argument("--json", default=None, help="write the row here")
-    recovery.add_argument("--quick", action="store_true", help="6 steps (for tests)")
+    recovery.add_argument("--quick", action="store_true", help="8 steps (for tests)")
+    recovery.add_argument("--kinds", default=None, help="comma-separated: actor,node,hang,preempt,save (default: all)")
+    recovery.add_argument("--keep", default=None, help="write the runs here and keep them (default: a temp dir)")
     pipe = bench.add_parser("pipeline", help="pipelined vs serial micro-batch order: step time, bubble, overhead")
     pipe.add_argument("--json", default=None, help="write the rows here (traces beside it)")
     pipe.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
@@ -233,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"dhp: error: {e}", file=sys.stderr)
         return 2
+    except Preempted:
+        return PREEMPTED_EXIT  # the driver printed `preempted at step N, checkpoint DIR`
     except RuntimeError as e:
         from dhp.stages.driver import TrainingFailed
 

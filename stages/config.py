@@ -41,6 +41,9 @@ class StageConfig:
     num_cpus_per_actor: float = 1.0  # Ray CPU resource per actor (fractions allowed)
     num_gpus_per_actor: float = 0.0  # Ray GPU resource per actor (fractions share a GPU)
     torch_threads: int = 1  # intra-op threads per actor
+    # Ray custom resources each actor also asks for, e.g. {vision_node: 1}: pins the pool to the nodes that offer
+    # them (`ray start --resources`), e.g. to keep the pools on disjoint nodes
+    resources: dict[str, float] = field(default_factory=dict)
     lr_scale: float = 1.0  # LR of the stage's main module (vision: patch embed + blocks; text: LM) = training.lr x this
     weight_decay: float | None = None  # the stage's main module (None: training.weight_decay)
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"  # recompute blocks in backward
@@ -133,7 +136,13 @@ class TrainingConfig:
     log_every: int = 1
     checkpoint_every: int = 0  # steps between checkpoints (RUN_DIR/checkpoints/step_N); 0 = only at the end
     keep_last: int = 3  # checkpoints kept (older ones deleted); 0 = keep all
-    max_restarts: int = 2  # times a run rebuilds its pools after a stage actor dies, then fails
+    max_restarts: int = 2  # times a run rebuilds its pools after a fault (a dead actor or node, a hang), then fails
+    # seconds a step may take before its ranks are declared hung (stages/watchdog.py); 0 = auto: 10 x the median
+    # step so far, at least 120 s (the first step of an attempt: 1800 s, it includes warm-up)
+    step_timeout_s: float = 0.0
+    preempt_grace_s: float = 30.0  # after SIGTERM/SIGINT: finish the step and checkpoint within this (warned if not)
+    on_checkpoint_error: Literal["continue", "stop"] = "continue"  # a failed save: retry at the next interval, or stop
+    rebuild_timeout_s: float = 300.0  # after a fault: how long to wait for the cluster to offer the pools' resources
     resume: str = "auto"  # auto: continue from the newest valid checkpoint of RUN_DIR if any; none; or a path
 
 
@@ -271,6 +280,12 @@ def _coerce(tp: Any, value: Any, key: str, origin: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if origin_tp is dict:  # custom resources: {name: amount}
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{origin}: {key!r} must be a mapping, got {value!r}")
+        return {_coerce(key_tp, k, f"{key}.{k}", origin): _coerce(value_tp, v, f"{key}.{k}", origin)
+                for k, v in value.items()}
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             got = f"{value!r} ({type(value).__name__})"
@@ -323,6 +338,8 @@ def validate(config: Config) -> None:
         (bool(d.webdataset.caption.strip()), "data.webdataset.caption must name `txt` or a field of the .json member"),
         (min(t.checkpoint_every, t.keep_last, t.max_restarts) >= 0,
          "training.checkpoint_every, keep_last and max_restarts must be >= 0"),
+        (min(t.step_timeout_s, t.preempt_grace_s, t.rebuild_timeout_s) >= 0,
+         "training.step_timeout_s, preempt_grace_s and rebuild_timeout_s must be >= 0"),
         (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),
     ]
     for stage in ("vision", "text"):
@@ -333,7 +350,8 @@ def validate(config: Config) -> None:
                 s.degree >= 1 and s.num_actors % s.degree == 0,
                 f"{stage}.num_actors must be a multiple of {stage}.degree",
             ),
-            (s.num_cpus_per_actor >= 0 and s.num_gpus_per_actor >= 0, f"{stage} resources must be >= 0"),
+            (s.num_cpus_per_actor >= 0 and s.num_gpus_per_actor >= 0 and min(s.resources.values(), default=0) >= 0,
+             f"{stage} resources must be >= 0"),
             (s.activation_checkpointing_every >= 1, f"{stage}.activation_checkpointing_every must be >= 1"),
         ]
     for ok, message in checks:

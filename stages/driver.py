@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from dhp.dataflow.synth import write_synthetic_dataset
 from dhp.stages import run_log
 from dhp.stages.checkpoint_files import latest_valid, verify
 from dhp.stages.config import Config, ConfigError, one_line, save_config
+from dhp.stages.preemption import Preempted, Preemption
+from dhp.stages.watchdog import StepClock, StepHung
 
 
 def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
@@ -103,33 +106,48 @@ def train(cfg: Config) -> dict[str, Any]:
     started_ray = not ray.is_initialized()
     init_ray(cfg)
     faults: list[dict[str, Any]] = []
+    clock = StepClock(cfg.training.step_timeout_s)  # step deadlines, learned across restarts (watchdog.py)
+    preemption = Preemption(cfg.training.preempt_grace_s)
     try:
-        while True:  # one pass per attempt: a dead stage actor costs a rebuild and a resume, not the run
-            trainer = None
-            try:
-                trainer = Trainer(cfg, train_paths, eval_paths, image_root)
-                summary = _loop(cfg, trainer, run_dir, after_fault=bool(faults))
-                break
-            except Exception as e:  # noqa: BLE001 (sorted out below: only a lost actor is retried)
-                if trainer is None or not _lost_an_actor(e, trainer):
+        with preemption.installed():
+            while True:  # one pass per attempt: a fault costs a rebuild and a resume, not the run
+                trainer = None
+                try:
+                    wait_s = cfg.training.rebuild_timeout_s if faults else 0.0
+                    trainer = Trainer(cfg, train_paths, eval_paths, image_root, clock=clock, wait_s=wait_s)
+                    summary = _loop(cfg, trainer, run_dir, preemption, after_fault=bool(faults))
+                    break
+                except Preempted as p:
+                    print(p, flush=True)  # the line a person or a scheduler looks for
+                    _write_summary(run_dir, {"run_dir": str(run_dir), "preempted": {
+                        "step": p.step, "checkpoint": str(p.checkpoint) if p.checkpoint else None,
+                        "signal": p.signal_name}, "restarts": faults})
                     raise
-                faults.append({"detected_at": time.time(), "error": _one_line(e)})
-                if len(faults) > cfg.training.max_restarts:
-                    raise TrainingFailed(
-                        f"a stage actor died and training.max_restarts={cfg.training.max_restarts} restarts are "
-                        f"used up; last error: {faults[-1]['error']}"
-                    ) from None
-                print(f"fault: {faults[-1]['error']}; rebuilding both pools and resuming from the last checkpoint "
-                      f"(restart {len(faults)}/{cfg.training.max_restarts})", flush=True)
-            finally:
-                if trainer is not None:
-                    trainer.shutdown()  # every actor and placement group of this attempt: nothing orphaned
+                except Exception as e:  # noqa: BLE001 (sorted out below: only a fault of the cluster is retried)
+                    kind = fault_kind(e, trainer)
+                    if kind is None:
+                        raise
+                    faults.append({"kind": kind, "detected_at": time.time(), "error": _one_line(e)})
+                    if len(faults) > cfg.training.max_restarts:
+                        raise TrainingFailed(
+                            f"{kind} and training.max_restarts={cfg.training.max_restarts} restarts are used up; "
+                            f"last error: {faults[-1]['error']}"
+                        ) from None
+                    print(f"fault ({kind}): {faults[-1]['error']}; rebuilding both pools and resuming from the last "
+                          f"checkpoint (restart {len(faults)}/{cfg.training.max_restarts})", flush=True)
+                finally:
+                    if trainer is not None:
+                        trainer.shutdown()  # every actor and placement group of this attempt: nothing orphaned
     finally:
         if started_ray:
             ray.shutdown()
     summary["restarts"] = faults
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    _write_summary(run_dir, summary)
     return summary
+
+
+def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 class TrainingFailed(RuntimeError):
@@ -137,26 +155,43 @@ class TrainingFailed(RuntimeError):
 
 
 def _one_line(e: Exception) -> str:
+    """`Type: message` on one line; for an error raised in an actor, the actor's own exception (not Ray's wrapper
+    with its traceback)."""
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+    e = cause if isinstance(cause, BaseException) else e
     return f"{type(e).__name__}: {one_line(e)[:300]}"
 
 
-def _lost_an_actor(error: Exception, trainer) -> bool:
-    """Was `error` caused by a stage or loader actor dying (as opposed to a bug, which is not retried)?
+def fault_kind(error: Exception, trainer) -> str | None:
+    """What of the cluster failed, if `error` came from that (a bug is not retried): "a rank hung", "a node
+    died" or "a stage actor died"; None otherwise.
 
     A dead actor's own calls raise RayActorError; calls that depended on its outputs, or that waited in a
-    collective with it, fail with other errors. So: look for an actor that no longer answers.
+    collective with it, fail with other errors. So: look for an actor that no longer answers, and for a
+    node of the pools that Ray now reports dead.
     """
-    if isinstance(error, ray.exceptions.RayActorError):
-        return True
-    if not isinstance(error, ray.exceptions.RayError):
-        return False
+    if isinstance(error, StepHung):
+        return "a rank hung"
+    if trainer is None or not isinstance(error, ray.exceptions.RayError):
+        return None
     actors = [a for _, pool in trainer.pools() for a in pool.actors] + trainer.loaders
-    pings = [a.__ray_ready__.remote() for a in actors]
+    dead_node = _lost_node(trainer)
+    if dead_node:
+        return "a node died"
+    if isinstance(error, ray.exceptions.RayActorError):
+        return "a stage actor died"
     try:
-        ray.get(pings, timeout=10)
+        ray.get([a.__ray_ready__.remote() for a in actors], timeout=10)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return True
-    return False
+        return "a node died" if _lost_node(trainer) else "a stage actor died"
+    return None
+
+
+def _lost_node(trainer) -> bool:
+    """Has a node that holds one of the pools' ranks left the cluster?"""
+    used = {w["node_id"] for ranks in getattr(trainer, "where", {}).values() for w in ranks}
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return bool(used - alive)
 
 
 def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
@@ -182,7 +217,7 @@ def _lines_before(path: Path, step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
 
 
-def _loop(cfg: Config, trainer, run_dir: Path, after_fault: bool = False) -> dict[str, Any]:
+def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fault: bool = False) -> dict[str, Any]:
     t = cfg.training
     steps, history, eval_loss, first = t.steps, [], None, 1
     start = time.perf_counter()
@@ -192,38 +227,55 @@ def _loop(cfg: Config, trainer, run_dir: Path, after_fault: bool = False) -> dic
     if resumed is not None:
         first = trainer.restore_checkpoint(resumed) + 1
         print(f"resumed from {resumed} (step {first - 1})", flush=True)
+    if preemption.requested:  # during start-up: nothing trained since `resumed`
+        raise Preempted(first - 1, resumed, preemption.signal_name)
     peak = run_log.peak_of(cfg, trainer)  # before the first step: a CPU peak measured during one reads low
     if not after_fault:
         print(run_log.startup_summary(cfg, run_dir, first, peak), flush=True)
-    metrics_path, quarantine_path = run_dir / "metrics.jsonl", run_dir / "quarantine.jsonl"
-    kept, kept_quarantine = _lines_before(metrics_path, first), _lines_before(quarantine_path, first)
-    history = [json.loads(line)["loss"] for line in kept]
-    pending = trainer.next_batch()
+    # Per-step logs; on a resume the steps before the resume point are kept as they were, the rest rewritten.
+    logs = {name: run_dir / f"{name}.jsonl" for name in ("metrics", "quarantine", "samples")}
+    kept = {name: _lines_before(path, first) for name, path in logs.items()}
+    history = [json.loads(line)["loss"] for line in kept["metrics"]]
+    pending, grace_checked = trainer.next_batch(), False
     board = run_dir / "tensorboard" if cfg.output.tensorboard else None
-    with open(metrics_path, "w") as metrics, open(quarantine_path, "w") as quarantine, \
-            run_log.Progress(steps, first - 1, every=t.log_every * 10) as bar, run_log.TensorBoard(board, first) as tb:
-        metrics.writelines(line + "\n" for line in kept)  # the steps before the resume point, as they were
-        quarantine.writelines(line + "\n" for line in kept_quarantine)
+    with ExitStack() as stack:
+        files = {name: stack.enter_context(open(path, "w")) for name, path in logs.items()}
+        for name, f in files.items():
+            f.writelines(line + "\n" for line in kept[name])
+        bar = stack.enter_context(run_log.Progress(steps, first - 1, every=t.log_every * 10))
+        tb = stack.enter_context(run_log.TensorBoard(board, first))
         for step in range(first, steps + 1):
             waited = time.perf_counter()  # the stages idle while the driver waits for the next global batch
             batches, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
             waited = time.perf_counter() - waited
             for b in batches:  # every skipped record with its source location (file:line) and reason
-                quarantine.writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)
-            quarantine.flush()
+                files["quarantine"].writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)
+            files["quarantine"].flush()
             stats = trainer.train_step(batches)
             record = {"step": step, **stats, **run_log.throughput(batches, trainer.model_config,
                                                                    stats["step_time_s"], peak.flops)}
             record.update(data_wait_s=round(waited, 4), time=time.time())
             if step == steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            files["metrics"].write(json.dumps(record) + "\n")
+            files["metrics"].flush()
+            # Which samples this step trained (epoch, source), per data-parallel stream: the audit that no
+            # sample is lost or repeated across faults and resumes.
+            files["samples"].writelines(json.dumps({"step": step, "replica": r, "ids": b.ids}) + "\n"
+                                        for r, b in enumerate(batches))
+            files["samples"].flush()
             tb.log(record)
+            saved = None
             if step == steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                trainer.save_checkpoint(ckpt_root, batches)
+                save_start = time.perf_counter()
+                saved = _save(trainer, ckpt_root, batches, t)
+                if not grace_checked:  # at the attempt's first checkpoint
+                    grace_checked = True
+                    _check_grace(stats["step_time_s"], time.perf_counter() - save_start, t.preempt_grace_s)
             history.append(record["loss"])
             bar.update(record)
+            if preemption.requested:
+                raise Preempted(step, saved or _save(trainer, ckpt_root, batches, t), preemption.signal_name)
     if cfg.pipeline.trace:
         trainer.write_trace(run_dir / "trace.json")
     if cfg.output.save_final_checkpoint:
@@ -238,5 +290,32 @@ def _loop(cfg: Config, trainer, run_dir: Path, after_fault: bool = False) -> dic
         "wall_s": time.perf_counter() - start,
         "skipped": trainer.skip_report(),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    _write_summary(run_dir, summary)
     return summary
+
+
+def _save(trainer, root: Path, batches: list, t: Any) -> Path | None:
+    """Write the step's checkpoint. A failed write (a full disk, a refused write) is reported in one line with
+    the state of the newest checkpoint, then the run continues (retrying at the next interval) or stops, as
+    `training.on_checkpoint_error` says; a rank that died mid-write is a fault (the caller rebuilds the pools
+    and resumes from that newest checkpoint). Returns the checkpoint, None if the write failed."""
+    try:
+        return trainer.save_checkpoint(root, batches)
+    except Exception as e:  # noqa: BLE001 (re-raised below unless it is a failed write the policy continues after)
+        previous, _ = latest_valid(root)
+        kept = f"{previous.name} is intact (verified)" if previous else "there is no earlier checkpoint"
+        cluster_fault = fault_kind(e, trainer)
+        then = ("resuming from it after the rebuild" if cluster_fault else
+                "stopping (training.on_checkpoint_error=stop)" if t.on_checkpoint_error == "stop" else
+                "training continues, the next checkpoint is tried at its interval")
+        print(f"checkpoint of step {trainer.step} failed ({_one_line(e)}); {kept}; {then}", flush=True)
+        if cluster_fault or t.on_checkpoint_error == "stop":
+            raise
+        return None
+
+
+def _check_grace(step_s: float, save_s: float, grace_s: float) -> None:
+    if step_s + save_s > grace_s:
+        print(f"warning: a step ({step_s:.1f} s) plus a checkpoint write ({save_s:.1f} s) take longer than "
+              f"training.preempt_grace_s={grace_s:g} s: a preemption may end the run before its checkpoint is "
+              f"written", flush=True)

@@ -34,11 +34,12 @@ class Placement:
 
 
 def _resources(s: StageConfig) -> dict[str, float]:
-    return {"CPU": s.num_cpus_per_actor, "GPU": s.num_gpus_per_actor}
+    """One actor's reservation; `resources` (custom ones, e.g. {vision_node: 1}) pin it to the nodes offering them."""
+    return {"CPU": s.num_cpus_per_actor, "GPU": s.num_gpus_per_actor, **s.resources}
 
 
 def _bundle(parts: list[dict[str, float]]) -> dict[str, float]:
-    total = {k: sum(p[k] for p in parts) for k in ("CPU", "GPU")}
+    total = {k: sum(p.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p})}
     # Ray refuses an empty bundle; a pool configured with 0 CPUs still needs a token reservation.
     return {k: v for k, v in total.items() if v > 0} or {"CPU": 0.01}
 
@@ -80,7 +81,7 @@ def describe(placement: Placement, where: dict[str, list[dict]]) -> str:
         for rank, (w, (_, bundle)) in enumerate(zip(where[stage], getattr(placement, stage))):
             gpus = ",".join(map(str, w["gpu_ids"])) or "-"
             lines.append(
-                f"  {stage:6s} rank {rank}: node {w['node_ip']} bundle {bundle} pid {w['pid']} "
+                f"  {stage:6s} rank {rank}: node {w['node_ip']} ({w['node_id'][:8]}) bundle {bundle} pid {w['pid']} "
                 f"gpus {gpus} threads {w['threads']} device {w['device']}"
             )
     return "\n".join(lines)

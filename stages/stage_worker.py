@@ -29,6 +29,7 @@ from dhp.models.zero3 import local_tensor
 from dhp.stages.actor_group import DistributedWorker
 from dhp.stages.checkpoint_files import file_entry
 from dhp.stages.config import Config
+from dhp.stages.fault_injection import save_fault
 from dhp.stages.trace import EventRecorder
 
 
@@ -301,6 +302,7 @@ class StageWorker(DistributedWorker):
         slice, ZeRO-3 rows), not by the optimizer's local parameter index: that index means nothing in
         another layout, a name plus the layout's slicer does (`load_state` reshards by it)."""
         tensors = self.save_local(ckpt_dir, trained_only=self.fine_tuning.partial(self.stage))
+        save_fault(self.stage, self.rank, Path(ckpt_dir))  # off unless a test asks (fault_injection.py)
         moments = f"{self.stage}-rank{self.rank:05d}-moments.safetensors"
         save_shard(self._named_moments(), Path(ckpt_dir), moments)
         state = {

@@ -25,6 +25,7 @@ from dhp.models.architectures import architecture_config
 from dhp.models.export import export_hf, read_meta, write_meta
 from dhp.models.fine_tuning import FineTuning
 from dhp.models.layouts import stage_layout
+from dhp.stages.actor_group import CallLedger
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, ConfigError, save_config
 from dhp.stages.placement import describe, place_pools
@@ -35,6 +36,7 @@ from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
 from dhp.stages.trace import STEP_TAIL, busy_fractions, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
+from dhp.stages.watchdog import StepClock, wait_or_hang
 
 
 def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
@@ -50,20 +52,40 @@ def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
 LOADER_CPUS = 0.1  # the BatchLoader actor mostly waits on Ray Data
 
 
-def check_resources(cfg: Config) -> None:
-    """Fail fast when pools + data pipeline cannot all be placed: placed ranks would wait in rendezvous."""
-    total = ray.cluster_resources()
+def check_resources(cfg: Config, wait_s: float = 0.0) -> None:
+    """Fail fast when pools + data pipeline cannot all be placed: placed ranks would wait in rendezvous.
+
+    `wait_s` > 0 (a rebuild after a fault): wait that long for the cluster to offer them first (a replacement
+    node joining, an autoscaler adding one)."""
     data_cpus = (replicas(cfg, "text") + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
-    for resource, per_actor in (("CPU", "num_cpus_per_actor"), ("GPU", "num_gpus_per_actor")):
-        need = sum(getattr(s, per_actor) * s.num_actors for s in (cfg.vision, cfg.text))
-        need += data_cpus if resource == "CPU" else 0.0
-        have = total.get(resource, 0.0)
-        if need > have + 1e-9:
-            raise ConfigError(
-                f"pools and data pipeline need {need:g} {resource} but the Ray cluster has {have:g}: lower "
-                f"vision/text.{per_actor} (or data.preprocess_num_cpus), give a local Ray more logical CPUs "
-                f"(ray.num_cpus), or add resources"
-            )
+    need = {"CPU": data_cpus}
+    for s in (cfg.vision, cfg.text):
+        for name, per_actor in {"CPU": s.num_cpus_per_actor, "GPU": s.num_gpus_per_actor, **s.resources}.items():
+            need[name] = need.get(name, 0.0) + per_actor * s.num_actors
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        total = ray.cluster_resources()
+        short = {name: (n, total.get(name, 0.0)) for name, n in need.items() if n > total.get(name, 0.0) + 1e-9}
+        if not short:
+            return
+        if time.monotonic() >= deadline:
+            break
+        if not told:
+            print(f"waiting up to {wait_s:g} s for the cluster to offer {_shortfall(short)}", flush=True)
+            told = True
+        time.sleep(1.0)
+    name, (n, have) = next(iter(short.items()))
+    if name in ("CPU", "GPU"):
+        per_actor = "num_cpus_per_actor" if name == "CPU" else "num_gpus_per_actor"
+        hint = (f"lower vision/text.{per_actor} (or data.preprocess_num_cpus), give a local Ray more logical CPUs "
+                f"(ray.num_cpus), or add resources")
+    else:
+        hint = f"start nodes that offer it (ray start --resources='{{\"{name}\": N}}') or change vision/text.resources"
+    raise ConfigError(f"pools and data pipeline need {_shortfall(short)}: {hint}")
+
+
+def _shortfall(short: dict[str, tuple[float, float]]) -> str:
+    return ", ".join(f"{n:g} {name} (the Ray cluster has {have:g})" for name, (n, have) in short.items())
 
 
 class Trainer:
@@ -74,8 +96,12 @@ class Trainer:
         eval_paths: list[str] | None = None,
         image_root: str = "",
         model_config: Qwen2_5_VLConfig | None = None,
+        clock: StepClock | None = None,
+        wait_s: float = 0.0,
     ):
-        """`model_config` replaces the one `cfg.model` describes (benchmarks that vary the shape)."""
+        """`model_config` replaces the one `cfg.model` describes (benchmarks that vary the shape). `clock` gives
+        each step its deadline (stages/watchdog.py; kept by the driver across restarts); `wait_s`: how long to
+        wait for the cluster to offer the pools' resources (a rebuild after a fault)."""
         self.cfg = cfg
         self.model_config = model_config or model_config_of(cfg)
         check_layout(cfg, self.model_config)
@@ -90,7 +116,10 @@ class Trainer:
             storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
             records=record_format(d, train_paths or []),  # JSONL or WebDataset shards (dataflow/sources.py)
         )
-        check_resources(cfg)
+        check_resources(cfg, wait_s)
+        self.clock = clock or StepClock(cfg.training.step_timeout_s)
+        self.clock.new_attempt()
+        self.ledger = CallLedger()  # which call each stage rank is in (for the hang report)
         self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
         loader_cls = ray.remote(num_cpus=LOADER_CPUS)(BatchLoader)
         common = dict(
@@ -119,8 +148,8 @@ class Trainer:
         self.vision = self._pool("vision", VisionPool, VisionWorker)
         self.text = self._pool("text", TextPool, TextWorker)
         ray.get(started)  # a stream that cannot start (no usable sample, a bad tokenizer) fails here, at start
-        where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
-        print(describe(self.placement, where), flush=True)
+        self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
+        print(describe(self.placement, self.where), flush=True)
         self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
         self.step = 0
         self._eval_batches: list[GlobalBatch] | None = None
@@ -130,7 +159,7 @@ class Trainer:
         pool = pool_cls(
             stage, worker_cls, s.num_actors, init_args=(self.cfg, self.model_config),
             num_cpus=s.num_cpus_per_actor, num_gpus=s.num_gpus_per_actor, torch_threads=s.torch_threads,
-            degree=s.degree, placement=getattr(self.placement, stage),
+            degree=s.degree, placement=getattr(self.placement, stage), ledger=self.ledger,
         )
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
         pool.trains = self.fine_tuning.trains(stage)
@@ -177,7 +206,11 @@ class Trainer:
                     self.vision.backward(replica, mb_id, grads.pop(key) if key else [])
         # Driver-side cost of scheduling (everything above is non-blocking submission), per micro-batch.
         self.submit_s_per_microbatch = (time.perf_counter() - submit_start) / max(1, len(ids))
-        return sum(ray.get([loss for loss in losses if loss is not None]))
+        return sum(self._get([loss for loss in losses if loss is not None], f"step {self.step}"))
+
+    def _get(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
+        """`ray.get` within the current deadline; a rank that stopped answering raises `StepHung` (watchdog.py)."""
+        return wait_or_hang(refs, self.clock, what, self.pools(), self.where, self.ledger)
 
     def optimizer_step(self) -> tuple[float, dict[str, float]]:
         """Sum gradients over replicas, clip by the global norm over the pools that train, step.
@@ -185,20 +218,24 @@ class Trainer:
         trained = [pool for _, pool in self.pools() if pool.trains]
         for pool in trained:
             pool.sync_grads()  # ordered before grad_sq_norm on each actor
-        grad_norm = math.sqrt(sum(ray.get([ref for pool in trained for ref in pool.grad_sq_norm()])))
+        what = f"step {self.step} (optimizer)"
+        grad_norm = math.sqrt(sum(self._get([ref for pool in trained for ref in pool.grad_sq_norm()], what)))
         coef = clip_coefficient(grad_norm, self.cfg.training.max_grad_norm)
         lrs: dict[str, float] = {}
-        for per_rank in ray.get([ref for pool in trained for ref in pool.optimizer_step(coef)]):
+        for per_rank in self._get([ref for pool in trained for ref in pool.optimizer_step(coef)], what):
             lrs.update(per_rank)
         return grad_norm, lrs
 
     def train_step(self, batches: list[GlobalBatch]) -> dict[str, Any]:
         self.step += 1
+        self.ledger.clear()  # the last step's calls all finished (its optimizer step waited on every rank)
+        self.clock.start()
         start, wall_start = time.perf_counter(), time.time()
         loss = self.accumulate(batches)
         grad_norm, lrs = self.optimizer_step()
         elapsed = time.perf_counter() - start
         pipeline = self._pipeline_stats(wall_start)
+        self.clock.stop(elapsed)
         tokens = sum(b.tokens for b in batches)
         skipped: dict[str, int] = {}
         for b in batches:
@@ -227,9 +264,9 @@ class Trainer:
         The window runs from the first submission to the last forward/backward call's end; the grad norm
         and optimizer step (a barrier of both pools) are left out. Every actor's events are drained, so none pile up.
         """
-        events = [e for evs in ray.get(
-            [a.drain_events.remote(self.step + 1) for _, pool in self.pools() for a in pool.actors]
-        ) for e in evs]
+        events = [e for evs in self._get(
+            [a.drain_events.remote(self.step + 1) for _, pool in self.pools() for a in pool.actors],
+            f"step {self.step} (events)") for e in evs]
         if self.cfg.pipeline.trace:
             self.events += events
         compute = [e for e in events if e["name"] not in STEP_TAIL]
@@ -255,12 +292,15 @@ class Trainer:
         vision = range(self.vision.dp) if self.vision.layout.lockstep else range(1)
         text = range(self.text.dp) if self.text.layout.lockstep else range(1)
         sums, count = [], 0
+        self.clock.start(scale=max(1, len(self._eval_batches)))
         for batch in self._eval_batches:
             for mb in batch.microbatches:
                 shards = [self.vision.forward_eval(v, mb.vision) for v in vision][0]
                 sums.append([self.text.forward_eval(t, mb.text, shards) for t in text][0])
                 count += mb.meta.label_tokens
-        return sum(ray.get(sums)) / max(1, count)
+        loss = sum(self._get(sums, f"evaluation after step {self.step}")) / max(1, count)
+        self.clock.stop()
+        return loss
 
     def save_weights(self, out_dir: Path) -> None:
         """An HF checkpoint dir in `output.max_shard_size` shards, streamed: the ranks of one model copy write
@@ -299,15 +339,21 @@ class Trainer:
         each replica and the config; each rank hashes its own files, in parallel; written atomically and
         verified on load (checkpoint_files.py)."""
         tmp = staging_dir(root, self.step)
-        partial = self._partial_stages()
-        hashed: dict[str, Any] = {}
-        for entries in ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors]):
-            hashed |= entries
-        write_meta(tmp, self.layout(), self.step, self.model_config, lora=self._lora_meta(), partial=partial,
-                   base=self._base() if partial else None)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
-        save_config(self.cfg, tmp / "config.yaml")
-        return commit(tmp, self.cfg.training.keep_last, hashed)
+        try:
+            partial = self._partial_stages()
+            hashed: dict[str, Any] = {}
+            # No deadline: a checkpoint write's time grows with the model, not with the step.
+            for entries in ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors]):
+                hashed |= entries
+            write_meta(tmp, self.layout(), self.step, self.model_config, lora=self._lora_meta(), partial=partial,
+                       base=self._base() if partial else None)
+            (tmp / "trainer_state.json").write_text(
+                json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
+            save_config(self.cfg, tmp / "config.yaml")
+            return commit(tmp, self.cfg.training.keep_last, hashed)
+        except BaseException:  # a full disk, a refused write, a rank gone: the older checkpoints stay as they were
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def restore_checkpoint(self, ckpt: Path) -> int:
         """Load a checkpoint of this model written by any layout; returns its step. The data streams
@@ -380,6 +426,7 @@ class Trainer:
             pool.shutdown()
         for loader in [*self.loaders, *([self.eval_loader] if self.eval_loader else [])]:
             ray.kill(loader, no_restart=True)
+        self.ledger.clear()
         self.placement.remove()
 
 

@@ -1,0 +1,39 @@
+"""Faults on purpose, for the fault-tolerance tests and `dhp bench recovery`; off unless DHP_INJECT_FAULT is set.
+
+DHP_INJECT_FAULT=KIND@STAGE:RANK:STEP makes that rank's checkpoint write of that step fail after its first
+file, once per run (a marker file in the checkpoint root remembers it fired):
+  enospc  the write raises the OSError a full disk gives (errno ENOSPC)
+  eacces  the write raises the OSError a refused write gives (errno EACCES)
+  die     the rank's process exits at once, mid-save (as if its node lost power)
+The variable is read by the stage actors, so it must be in their environment (a local Ray started by the
+driver inherits the driver's).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from pathlib import Path
+
+VARIABLE = "DHP_INJECT_FAULT"
+_SPEC = re.compile(r"^(enospc|eacces|die)@(vision|text):(\d+):(\d+)$")
+_STEP = re.compile(r"step_(\d+)$")
+
+
+def save_fault(stage: str, rank: int, staging: Path) -> None:
+    """Called by a rank between the files of its checkpoint write into `staging` (`.tmp-step_N`)."""
+    spec = os.environ.get(VARIABLE, "")
+    m = _SPEC.match(spec)
+    step = _STEP.search(staging.name)
+    if not m or not step or (m.group(2), int(m.group(3)), int(m.group(4))) != (stage, rank, int(step.group(1))):
+        return
+    marker = staging.parent / f".fault-injected-{m.group(1)}-{stage}{rank}-step{step.group(1)}"
+    if marker.exists():
+        return
+    marker.touch()
+    kind = m.group(1)
+    if kind == "die":
+        os._exit(1)
+    code = errno.ENOSPC if kind == "enospc" else errno.EACCES
+    raise OSError(code, os.strerror(code), str(staging / f"{stage}-rank{rank}"))
