@@ -309,8 +309,11 @@ def _save(trainer, root: Path, batches: list, t: Any) -> Path | None:
                 "stopping (training.on_checkpoint_error=stop)" if t.on_checkpoint_error == "stop" else
                 "training continues, the next checkpoint is tried at its interval")
         print(f"checkpoint of step {trainer.step} failed ({_one_line(e)}); {kept}; {then}", flush=True)
-        if cluster_fault or t.on_checkpoint_error == "stop":
-            raise
+        if cluster_fault:
+            raise  # the caller rebuilds the pools and resumes from `previous`
+        if t.on_checkpoint_error == "stop":
+            raise TrainingFailed(f"the checkpoint of step {trainer.step} could not be written ({_one_line(e)}) and "
+                                 f"training.on_checkpoint_error=stop") from None
         return None
 
 

@@ -3,13 +3,15 @@
 The head is started here (scripts/local_head.py): bound to 127.0.0.1 with its own ports, temp dir and
 token (token auth on), and at the end exactly that head is stopped, never `ray stop` (which would stop
 every Ray on the machine). The job is the default tiny layout (vision SP2, text TP2, pipelined) for a few
-steps; its config file exists only in the shipped working dir.
+steps; its config file exists only in the shipped working dir. A second job is stopped with `ray job stop`
+mid-run: it must checkpoint and say where (preemption).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import shutil
 import subprocess
@@ -23,6 +25,7 @@ import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from dhp.scripts.local_head import Listener, LocalHead, alive, start_head
+from dhp.stages.checkpoint_files import verify
 from dhp.stages.config import preset_path
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -48,6 +51,7 @@ def test_ray_job_submit_trains_on_a_loopback_head(tmp_path, tmp_path_factory):
     head = start_head(tmp_path_factory.mktemp("rh"), num_cpus=2, resources={"trainer_host": 1})
     try:
         seen_listening = _submit_and_check(head, tmp_path)
+        _stop_and_check(head, tmp_path)
     finally:
         forced = head.stop()
     assert not alive(head.seen), f"processes of the head still running: {alive(head.seen)}"
@@ -124,3 +128,39 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     assert refused.returncode != 0 and "Authentication" in refused.stdout + refused.stderr
     return listening
 
+
+
+def _stop_and_check(head: LocalHead, tmp_path: Path) -> None:
+    """`ray job stop` preempts the run: the driver gets SIGTERM, finishes its step, checkpoints, says so."""
+    job_dir = tmp_path / "job2"
+    job_dir.mkdir()
+    shutil.copy(preset_path("tiny"), job_dir / "my_run.yaml")
+    # Ray's job supervisor waits 3 s between SIGTERM and SIGKILL unless told otherwise (README).
+    runtime_env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                                "RAY_JOB_STOP_WAIT_TIME_S": "120"}}
+    run_dir = tmp_path / "runs" / "stopped"
+    overrides = ["training.steps=200", "training.global_batch_size=4", "training.eval_every=0",
+                 "training.eval_batches=1", "data.synthetic.num=32", "data.synthetic.eval_num=4",
+                 f"data.synthetic.dir={tmp_path}/synth", f"output.dir={tmp_path}/runs", "output.name=stopped"]
+    sid = "dhp-test-" + secrets.token_hex(4)
+    env = head.client_env()
+    submit = _ray(["job", "submit", "--no-wait", "--submission-id", sid, "--working-dir", str(job_dir),
+                   "--runtime-env-json", json.dumps(runtime_env), "--entrypoint-num-cpus", "0.5",
+                   "--", "dhp", "train", "--config", "my_run.yaml", *overrides], env, tmp_path)
+    assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + JOB_TIMEOUT_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    stop = _ray(["job", "stop", sid], env, tmp_path)
+    client = JobSubmissionClient(head.dashboard_url, headers={"Authorization": f"Bearer {head.token()}"})
+    while (status := client.get_job_status(sid)) not in TERMINAL and time.monotonic() < deadline + 120:
+        time.sleep(0.5)
+    text = _ray(["job", "logs", sid], env, tmp_path).stdout
+    assert stop.returncode == 0 and status == JobStatus.STOPPED, f"{status}\n{stop.stderr[-2000:]}\n{text[-3000:]}"
+    assert "SIGTERM received: finishing the current step, then a checkpoint" in text, text[-3000:]
+    m = re.search(r"^preempted at step (\d+), checkpoint (\S+)$", text, re.M)
+    assert m, text[-3000:]
+    ckpt = Path(m.group(2))
+    assert ckpt == run_dir / "checkpoints" / f"step_{int(m.group(1)):06d}" and verify(ckpt) is None
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["preempted"] == {"step": int(m.group(1)), "checkpoint": str(ckpt), "signal": "SIGTERM"}

@@ -1,0 +1,75 @@
+"""The parts of fault tolerance that need no cluster: step deadlines, the preemption handler, injected
+save faults, custom-resource placement and its config (the faults themselves: test_faults.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+import pytest
+
+from dhp.stages import watchdog
+from dhp.stages.config import ConfigError, load_config
+from dhp.stages.fault_injection import VARIABLE, save_fault
+from dhp.stages.placement import _bundle, _resources
+from dhp.stages.preemption import Preempted, Preemption
+from dhp.stages.watchdog import StepClock
+
+
+def test_step_deadline_is_configured_or_ten_times_the_median_with_floors():
+    assert StepClock(7.5).timeout_s() == 7.5
+    clock = StepClock(0)
+    assert clock.timeout_s() == watchdog.FIRST_STEP_S  # nothing measured: warm-up allowance
+    for seconds in (1.0, 30.0, 2.0):
+        clock.stop(seconds)
+    assert clock.timeout_s() == max(watchdog.FLOOR_S, 10 * 2.0)
+    clock.stop(40.0), clock.stop(50.0)
+    assert clock.timeout_s() == 10 * 30.0  # median of 1, 2, 30, 40, 50
+    clock.new_attempt()  # a rebuilt attempt warms up again
+    assert clock.timeout_s() == watchdog.FIRST_STEP_S
+    assert clock.remaining_s() is None  # no deadline outside a step
+    clock.start(scale=2)
+    assert 2 * watchdog.FIRST_STEP_S - 5 < clock.remaining_s() <= 2 * watchdog.FIRST_STEP_S
+
+
+def test_preemption_records_the_first_signal_and_a_second_ctrl_c_interrupts():
+    p = Preemption(grace_s=30)
+    before = signal.getsignal(signal.SIGTERM)
+    with p.installed():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert p.requested and p.signal_name == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+    none = "preempted at step 4, checkpoint none (no step finished since the start)"
+    assert str(Preempted(4, None, "SIGTERM")) == none
+
+
+def test_injected_save_fault_fires_once_on_its_rank_and_step(tmp_path, monkeypatch):
+    staging = tmp_path / ".tmp-step_000004"
+    staging.mkdir()
+    save_fault("text", 0, staging)  # unset: nothing
+    monkeypatch.setenv(VARIABLE, "enospc@text:0:4")
+    save_fault("text", 1, staging)  # another rank
+    save_fault("text", 0, tmp_path / ".tmp-step_000006")  # another step
+    with pytest.raises(OSError) as e:
+        save_fault("text", 0, staging)
+    assert e.value.errno == errno.ENOSPC
+    save_fault("text", 0, staging)  # once per run
+    monkeypatch.setenv(VARIABLE, "eacces@vision:1:4")
+    with pytest.raises(PermissionError):
+        save_fault("vision", 1, staging)
+
+
+def test_custom_resources_reach_the_bundles_and_are_checked():
+    cfg = load_config("tiny", ["vision.resources={vision_node: 1}", "text.resources={text_node: 0.5}"])
+    assert cfg.vision.resources == {"vision_node": 1.0} and cfg.text.resources == {"text_node": 0.5}
+    assert _bundle([_resources(cfg.vision), _resources(cfg.text)]) == {
+        "CPU": 0.5, "text_node": 0.5, "vision_node": 1.0}
+    with pytest.raises(ConfigError, match="vision.resources"):
+        load_config("tiny", ["vision.resources=3"])
+    with pytest.raises(ConfigError, match="resources must be >= 0"):
+        load_config("tiny", ["text.resources={gpu_host: -1}"])
+    with pytest.raises(ConfigError, match="on_checkpoint_error"):
+        load_config("tiny", ["training.on_checkpoint_error=ignore"])
