@@ -7,17 +7,21 @@ the same GPU and take turns on it: the pipeline fills one pool's idle time with 
 fit, other nodes allowed), so no GPU or CPU share is split between the pools.
 
 The groups are reserved before any actor starts, so a cluster too small for the layout fails here with a
-clear message instead of leaving half the ranks waiting in a rendezvous.
+clear message instead of leaving half the ranks waiting in a rendezvous; `check_resources` says so even
+earlier, from the cluster's totals (custom resources of `vision/text.resources` included), and after a fault
+waits for a replacement node first.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from dhp.stages.config import Config, StageConfig
+from dhp.stages.config import Config, ConfigError, StageConfig
+from dhp.stages.pools import replicas
 
 
 @dataclass
@@ -85,3 +89,42 @@ def describe(placement: Placement, where: dict[str, list[dict]]) -> str:
                 f"gpus {gpus} threads {w['threads']} device {w['device']}"
             )
     return "\n".join(lines)
+
+
+LOADER_CPUS = 0.1  # the BatchLoader actor mostly waits on Ray Data
+
+
+def check_resources(cfg: Config, wait_s: float = 0.0) -> None:
+    """Fail fast when pools + data pipeline cannot all be placed: placed ranks would wait in rendezvous.
+
+    `wait_s` > 0 (a rebuild after a fault): wait that long for the cluster to offer them first (a replacement
+    node joining, an autoscaler adding one)."""
+    data_cpus = (replicas(cfg, "text") + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
+    need = {"CPU": data_cpus}
+    for s in (cfg.vision, cfg.text):
+        for name, per_actor in _resources(s).items():
+            need[name] = need.get(name, 0.0) + per_actor * s.num_actors
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        total = ray.cluster_resources()
+        short = {name: (n, total.get(name, 0.0)) for name, n in need.items() if n > total.get(name, 0.0) + 1e-9}
+        if not short:
+            return
+        if time.monotonic() >= deadline:
+            break
+        if not told:
+            print(f"waiting up to {wait_s:g} s for the cluster to offer {_shortfall(short)}", flush=True)
+            told = True
+        time.sleep(1.0)
+    name, (n, have) = next(iter(short.items()))
+    if name in ("CPU", "GPU"):
+        per_actor = "num_cpus_per_actor" if name == "CPU" else "num_gpus_per_actor"
+        hint = (f"lower vision/text.{per_actor} (or data.preprocess_num_cpus), give a local Ray more logical CPUs "
+                f"(ray.num_cpus), or add resources")
+    else:
+        hint = f"start nodes that offer it (ray start --resources='{{\"{name}\": N}}') or change vision/text.resources"
+    raise ConfigError(f"pools and data pipeline need {_shortfall(short)}: {hint}")
+
+
+def _shortfall(short: dict[str, tuple[float, float]]) -> str:
+    return ", ".join(f"{n:g} {name} (the Ray cluster has {have:g})" for name, (n, have) in short.items())

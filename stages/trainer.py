@@ -28,7 +28,7 @@ from dhp.models.layouts import stage_layout
 from dhp.stages.actor_group import CallLedger
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, ConfigError, save_config
-from dhp.stages.placement import describe, place_pools
+from dhp.stages.placement import LOADER_CPUS, check_resources, describe, place_pools
 from dhp.stages.pools import TextPool, VisionPool, check_layout, replicas
 from dhp.stages.routing import route
 from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
@@ -47,45 +47,6 @@ def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
             sub._attn_implementation = cfg.model.attn_implementation
         return config
     return architecture_config(cfg.model.name, cfg.model.attn_implementation)
-
-
-LOADER_CPUS = 0.1  # the BatchLoader actor mostly waits on Ray Data
-
-
-def check_resources(cfg: Config, wait_s: float = 0.0) -> None:
-    """Fail fast when pools + data pipeline cannot all be placed: placed ranks would wait in rendezvous.
-
-    `wait_s` > 0 (a rebuild after a fault): wait that long for the cluster to offer them first (a replacement
-    node joining, an autoscaler adding one)."""
-    data_cpus = (replicas(cfg, "text") + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
-    need = {"CPU": data_cpus}
-    for s in (cfg.vision, cfg.text):
-        for name, per_actor in {"CPU": s.num_cpus_per_actor, "GPU": s.num_gpus_per_actor, **s.resources}.items():
-            need[name] = need.get(name, 0.0) + per_actor * s.num_actors
-    deadline, told = time.monotonic() + wait_s, False
-    while True:
-        total = ray.cluster_resources()
-        short = {name: (n, total.get(name, 0.0)) for name, n in need.items() if n > total.get(name, 0.0) + 1e-9}
-        if not short:
-            return
-        if time.monotonic() >= deadline:
-            break
-        if not told:
-            print(f"waiting up to {wait_s:g} s for the cluster to offer {_shortfall(short)}", flush=True)
-            told = True
-        time.sleep(1.0)
-    name, (n, have) = next(iter(short.items()))
-    if name in ("CPU", "GPU"):
-        per_actor = "num_cpus_per_actor" if name == "CPU" else "num_gpus_per_actor"
-        hint = (f"lower vision/text.{per_actor} (or data.preprocess_num_cpus), give a local Ray more logical CPUs "
-                f"(ray.num_cpus), or add resources")
-    else:
-        hint = f"start nodes that offer it (ray start --resources='{{\"{name}\": N}}') or change vision/text.resources"
-    raise ConfigError(f"pools and data pipeline need {_shortfall(short)}: {hint}")
-
-
-def _shortfall(short: dict[str, tuple[float, float]]) -> str:
-    return ", ".join(f"{n:g} {name} (the Ray cluster has {have:g})" for name, (n, have) in short.items())
 
 
 class Trainer:
