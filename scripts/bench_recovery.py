@@ -64,8 +64,11 @@ def start_run(out: Path, name: str, steps: int, checkpoint_every: int, *extra: s
 class Run:
     """A `dhp train` subprocess; its output lines are read (with their arrival times) by a thread."""
 
+    started: list[Run] = []  # every run of this process, so none outlives a failed measurement
+
     def __init__(self, proc: subprocess.Popen, run_dir: Path):
         self.proc, self.dir = proc, run_dir
+        Run.started.append(self)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -247,7 +250,12 @@ def main(args: argparse.Namespace) -> int:
         if ref.finish() != 0:
             raise RuntimeError(f"the reference run failed:\n{ref.output()[-3000:]}")
         reference = [r["loss"] for r in ref.records()]
-        rows = [measure(kind, out, steps, every, at, reference) for kind in kinds]
+        try:
+            rows = [measure(kind, out, steps, every, at, reference) for kind in kinds]
+        finally:
+            for run in Run.started:
+                if run.proc.poll() is None:
+                    run.proc.kill()  # its local Ray goes with it (Ray's reaper)
     print(f"{'fault':8s} {'detect_s':>9} {'recover_s':>10} {'steps_redone':>12} {'losses_equal':>12} "
           f"{'samples_ok':>10}")
     for r in rows:

@@ -7,6 +7,7 @@ GPU) whose collectives never mix with the other pool's. Rank 0 listens on a free
 
 from __future__ import annotations
 
+import collections
 import os
 from datetime import timedelta
 from typing import Any
@@ -149,36 +150,38 @@ class ActorGroup:
 
 
 class CallLedger:
-    """The actor calls the driver submitted and has not yet seen finish, oldest first: the call a hung rank
-    is in is its oldest unfinished one (an actor runs its calls in order). Finished entries are dropped
-    whenever the ledger doubles, so it holds about the calls in flight (their first return reference each)."""
+    """The actor calls the driver submitted and has not yet seen finish, per (stage, rank), oldest first: the
+    call a hung rank is in is its oldest unfinished one (an actor runs its calls in order). Each entry holds
+    the call's first return reference, which pins that object (a boundary tensor, say), so finished entries
+    are dropped from the head of their actor's queue whenever a call is added to it, and all at step ends."""
 
     def __init__(self) -> None:
-        self.calls: dict[ray.ObjectRef, tuple[str, int, str]] = {}
-        self._prune_at = 64
+        self.queues: dict[tuple[str, int], collections.deque] = {}
 
     def add(self, ref: ray.ObjectRef, stage: str, rank: int, method: str) -> None:
-        self.calls[ref] = (stage, rank, method)
-        if len(self.calls) >= self._prune_at:
-            self.prune()
-            self._prune_at = max(64, 2 * len(self.calls))
+        queue = self.queues.setdefault((stage, rank), collections.deque())
+        self._drop_finished(queue)
+        queue.append((ref, method))
 
-    def prune(self) -> None:
-        refs = list(self.calls)
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False) if refs else ([], [])
-        for ref in done:
-            del self.calls[ref]
+    @staticmethod
+    def _drop_finished(queue: collections.deque) -> None:
+        while queue:
+            done, _ = ray.wait([queue[0][0]], timeout=0, fetch_local=False)
+            if not done:
+                return
+            queue.popleft()
 
     def in_call(self) -> dict[tuple[str, int], str]:
         """(stage, rank) -> the method of its oldest unfinished call."""
-        self.prune()
-        out: dict[tuple[str, int], str] = {}
-        for stage, rank, method in self.calls.values():
-            out.setdefault((stage, rank), method)
+        out = {}
+        for key, queue in self.queues.items():
+            self._drop_finished(queue)
+            if queue:
+                out[key] = queue[0][1]
         return out
 
     def clear(self) -> None:
-        self.calls.clear()
+        self.queues.clear()
 
 
 class TrackedActor:
@@ -189,7 +192,10 @@ class TrackedActor:
         self.handle, self.stage, self.rank, self.ledger = handle, stage, rank, ledger
 
     def __getattr__(self, name: str) -> _TrackedMethod:
-        return _TrackedMethod(getattr(self.handle, name), self, name)
+        handle = self.__dict__.get("handle")  # absent while copy/pickle probes a bare instance
+        if handle is None:
+            raise AttributeError(name)
+        return _TrackedMethod(getattr(handle, name), self, name)
 
 
 class _TrackedMethod:

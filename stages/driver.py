@@ -274,8 +274,9 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
                     _check_grace(stats["step_time_s"], time.perf_counter() - save_start, t.preempt_grace_s)
             history.append(record["loss"])
             bar.update(record)
-            if preemption.requested:
-                raise Preempted(step, saved or _save(trainer, ckpt_root, batches, t), preemption.signal_name)
+            if preemption.requested and step < steps:  # (after the last step the run simply finishes)
+                ckpt = saved or _save(trainer, ckpt_root, batches, t) or latest_valid(ckpt_root)[0]
+                raise Preempted(step, ckpt, preemption.signal_name)  # a failed write: the newest intact one
     if cfg.pipeline.trace:
         trainer.write_trace(run_dir / "trace.json")
     if cfg.output.save_final_checkpoint:

@@ -27,7 +27,7 @@ class Preempted(Exception):
     """The run stopped at a step boundary because it was asked to; `checkpoint` continues it."""
 
     def __init__(self, step: int, checkpoint: Path | None, signal_name: str):
-        where = checkpoint if checkpoint is not None else "none (no step finished since the start)"
+        where = checkpoint if checkpoint is not None else "none"
         super().__init__(f"preempted at step {step}, checkpoint {where}")
         self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
 

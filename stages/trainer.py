@@ -36,7 +36,9 @@ from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
 from dhp.stages.trace import STEP_TAIL, busy_fractions, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
-from dhp.stages.watchdog import StepClock, wait_or_hang
+from dhp.stages.watchdog import StepClock, StepHung, wait_or_hang
+
+SAVE_DEADLINE = 10  # a checkpoint write may take this many step deadlines
 
 
 def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
@@ -197,6 +199,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         pipeline = self._pipeline_stats(wall_start)
         self.clock.stop(elapsed)
+        self.ledger.clear()  # drop the step's references (the optimizer step waited on every rank)
         tokens = sum(b.tokens for b in batches)
         skipped: dict[str, int] = {}
         for b in batches:
@@ -300,19 +303,27 @@ class Trainer:
         each replica and the config; each rank hashes its own files, in parallel; written atomically and
         verified on load (checkpoint_files.py)."""
         tmp = staging_dir(root, self.step)
+        writes: list[ray.ObjectRef] = []
         try:
             partial = self._partial_stages()
             hashed: dict[str, Any] = {}
-            # No deadline: a checkpoint write's time grows with the model, not with the step.
-            for entries in ray.get([a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors]):
+            writes = [a.save_state.remote(str(tmp)) for _, pool in self.pools() for a in pool.actors]
+            # A deadline of SAVE_DEADLINE step deadlines: a write's time grows with the model, not the step, but a
+            # rank that stops mid-write must not hang the run.
+            self.clock.start(scale=SAVE_DEADLINE)
+            for entries in self._get(writes, f"checkpoint of step {self.step}"):
                 hashed |= entries
+            self.clock.stop()
             write_meta(tmp, self.layout(), self.step, self.model_config, lora=self._lora_meta(), partial=partial,
                        base=self._base() if partial else None)
             (tmp / "trainer_state.json").write_text(
                 json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
             save_config(self.cfg, tmp / "config.yaml")
             return commit(tmp, self.cfg.training.keep_last, hashed)
-        except BaseException:  # a full disk, a refused write, a rank gone: the older checkpoints stay as they were
+        except BaseException as e:  # a full disk, a refused write, a rank gone: the older checkpoints stay intact
+            if writes and not isinstance(e, StepHung):  # the other ranks finish writing before the cleanup
+                ray.wait(writes, num_returns=len(writes), timeout=self.clock.timeout_s() * SAVE_DEADLINE)
+            self.clock.stop()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
