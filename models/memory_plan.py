@@ -203,7 +203,7 @@ def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None,
     GPUs), the device it is compared with, and whether it fits."""
     ranks = {stage: stage_plan(cfg, model_config, stage, vision_patches if stage == "vision" else None)
              for stage in ("vision", "text")}
-    shared = cfg.pipeline.placement == "shared" and all(
+    shared = cfg.pipeline.shared and all(
         0 < getattr(cfg, s).num_gpus_per_actor < 1 for s in ("vision", "text"))
     per_device = (ranks["vision"].total + ranks["text"].total if shared
                   else max(ranks["vision"].total, ranks["text"].total))

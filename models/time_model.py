@@ -298,7 +298,7 @@ def _devices(cfg: Any, prof: Profile) -> tuple[Any, Any]:
     if prof.kind == "cpu":
         cores = prof.devices_per_node
         return (lambda i: i % cores), (lambda j: (nv + j) % cores)
-    if cfg.pipeline.placement == "shared":
+    if cfg.pipeline.shared:
         bundles = max(nv, nt)
         return (lambda i: i % bundles), (lambda j: j % bundles)
     return (lambda i: i), (lambda j: nv + j)
@@ -329,7 +329,7 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
 
     makespan, busy = simulate_calls(calls, fwd.total, text.total, bwd.total, resources)
     extras = {stage: step_extras(cfg, mc, prof, stage) for stage in ("vision", "text")}
-    shared = prof.kind == "cpu" or cfg.pipeline.placement == "shared"
+    shared = prof.kind == "cpu" or cfg.pipeline.shared
     tail = {k: (extras["vision"][k] + extras["text"][k]) if shared else max(extras["vision"][k], extras["text"][k])
             for k in ("grad_sync", "optimizer")}
     step = makespan + sum(tail.values())

@@ -38,7 +38,7 @@ def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload) -> Config
     if prof.kind != "gpu":
         return cfg
     nv, nt = cfg.vision.num_actors, cfg.text.num_actors
-    shared = cfg.pipeline.placement == "shared"
+    shared = cfg.pipeline.shared
     need = max(nv, nt) if shared else nv + nt
     if gpus is not None and gpus != need:
         how = (f"shared placement puts vision actor b and text actor b on GPU b: max(vision.num_actors, "

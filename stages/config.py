@@ -152,6 +152,12 @@ class PipelineConfig:
     placement: Literal["shared", "disjoint"] = "shared"  # shared: vision+text actors share bundles (GPUs)
     trace: bool = False  # write RUN_DIR/trace.json: every stage call on a timeline (chrome://tracing)
 
+    @property
+    def shared(self) -> bool:
+        """Vision actor b and text actor b share placement bundle b (one GPU, taking turns): the one place the
+        `placement` string is read (stages/placement.py, the time model and the memory plan ask this)."""
+        return self.placement == "shared"
+
 
 @dataclass
 class RayConfig:

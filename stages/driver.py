@@ -174,12 +174,11 @@ def fault_kind(error: Exception, trainer) -> str | None:
         return "a rank hung"
     if trainer is None or not isinstance(error, ray.exceptions.RayError):
         return None
-    actors = [a for _, pool in trainer.pools() for a in pool.actors] + trainer.loaders
-    dead_node = _lost_node(trainer)
-    if dead_node:
+    if _lost_node(trainer):
         return "a node died"
     if isinstance(error, ray.exceptions.RayActorError):
         return "a stage actor died"
+    actors = [a for _, pool in trainer.pools() for a in pool.actors] + trainer.loaders
     try:
         ray.get([a.__ray_ready__.remote() for a in actors], timeout=10)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -189,7 +188,7 @@ def fault_kind(error: Exception, trainer) -> str | None:
 
 def _lost_node(trainer) -> bool:
     """Has a node that holds one of the pools' ranks left the cluster?"""
-    used = {w["node_id"] for ranks in getattr(trainer, "where", {}).values() for w in ranks}
+    used = {w["node_id"] for ranks in trainer.where.values() for w in ranks}
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     return bool(used - alive)
 

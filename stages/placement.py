@@ -52,7 +52,7 @@ def place_pools(cfg: Config, timeout_s: float = 300) -> Placement:
     """Reserve the pools' resources as `cfg.pipeline.placement` says; raises RuntimeError if they never fit."""
     v, t = cfg.vision, cfg.text
     placement = Placement(cfg.pipeline.placement)
-    if placement.mode == "shared":
+    if cfg.pipeline.shared:
         n = max(v.num_actors, t.num_actors)
         members: list[list[dict[str, float]]] = [[] for _ in range(n)]
         for i in range(v.num_actors):
