@@ -123,15 +123,21 @@ class FineTuning:
         default (one LR, one decay) gives the two groups of the transformers Trainer, and ZeRO-1, which splits
         each group over its ranks on its own, stays as balanced as it was. Empty groups are left out; the
         result depends on names and shapes only, the same on every rank of a layout."""
+        named = [(n, p, p.ndim) for n, p in model.named_parameters() if p.requires_grad]
+        return self.grouped(named)
+
+    def grouped(self, named: list[tuple[str, Any, int]]) -> list[dict[str, Any]]:
+        """`param_groups` over (name, item, ndim) of trainable parameters, in that order: the memory plan asks
+        it with shapes for items, to lay out ZeRO-1's partition without building anything."""
         groups: dict[tuple[float, float], dict[str, Any]] = {}
         for decay in (True, False):
-            for name, p in model.named_parameters():
-                if not p.requires_grad or (p.ndim >= 2) != decay:
+            for name, item, ndim in named:
+                if (ndim >= 2) != decay:
                     continue
                 g = self.groups[module_of(name)]
                 group = groups.setdefault((g.lr, g.weight_decay if decay else 0.0), {
                     "params": [], "lr": g.lr, "weight_decay": g.weight_decay if decay else 0.0, "modules": []})
-                group["params"].append(p)
+                group["params"].append(item)
                 if g.name not in group["modules"]:
                     group["modules"].append(g.name)
         return list(groups.values())

@@ -256,12 +256,12 @@ class Layout:
 
     def state_numel(self, full_shapes: dict[str, torch.Size], rank: int = 0) -> int:
         """Elements of `full_shapes` pool rank `rank` holds, from the slicer alone: no allocation."""
+        return sum(self.held_numels(full_shapes, rank).values())
+
+    def held_numels(self, full_shapes: dict[str, torch.Size], rank: int = 0) -> dict[str, int]:
+        """`state_numel` per tensor."""
         slicer = self.slicer(rank, full_shapes)
-        total = 0
-        for name, shape in full_shapes.items():
-            idx = slicer(name) if slicer else None
-            total += _index_numel(shape, idx)
-        return total
+        return {name: _index_numel(shape, slicer(name) if slicer else None) for name, shape in full_shapes.items()}
 
     @property
     def optimizer_fraction(self) -> float:
@@ -281,6 +281,12 @@ class Layout:
         the window index and its inverse are int64 [P/4] each."""
         full, sharded = s.activation_elements(recomputed)
         return (full + sharded) * patches * b + patches / 4 * 8 * 2
+
+    def merger_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """Saved-for-backward bytes per rank when only the merger trains (`vision.train=merger`): nothing in
+        the blocks needs a gradient, so only ln_q's x * rsqrt (its weight's gradient), mlp.0's input and the
+        GELU's input and output are kept, D per patch each."""
+        return 4 * s.d * patches * b
 
 
 def _index_numel(shape: torch.Size, idx) -> int:

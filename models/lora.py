@@ -59,6 +59,25 @@ def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Lin
     return found
 
 
+def target_names(spec: Any) -> list[str]:
+    return [t.strip() for t in spec.targets.split(",") if t.strip()]
+
+
+def factor_shapes(full_shapes: dict[str, Any], spec: Any, layers: list[str] | None = None) -> dict[str, torch.Size]:
+    """Full shapes of the factors of `layers` (module names; None: every decoder Linear `spec.targets` names,
+    found in `full_shapes` alone, as the memory plan needs on the meta device): A [r, in], B [out, r]."""
+    if layers is None:
+        targets = target_names(spec)
+        layers = [n[: -len(".weight")] for n, shape in full_shapes.items() if n.startswith("language_model.layers.")
+                  and n.endswith(".weight") and len(shape) == 2 and n.split(".")[-2] in targets]
+    out = {}
+    for name in layers:
+        out_f, in_f = full_shapes[f"{name}.weight"]
+        out[f"{name}.lora_A.weight"] = torch.Size([spec.rank, in_f])
+        out[f"{name}.lora_B.weight"] = torch.Size([out_f, spec.rank])
+    return out
+
+
 def add_lora(model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full_shapes: dict[str, torch.Size],
              seed: int) -> None:
     """Give every target Linear of `model` (a laid-out TextModel) its LoRA factors, this rank's parts of them.
@@ -67,12 +86,8 @@ def add_lora(model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full
     A is drawn whole from a generator seeded by `seed` and the layer's name (the same on every rank, in any
     layout), then sliced; B starts at zero.
     """
-    targets = [t.strip() for t in spec.targets.split(",") if t.strip()]
-    found = lora_targets(model, targets)
-    for name, _ in found:
-        out_f, in_f = full_shapes[f"{name}.weight"]
-        full_shapes[f"{name}.lora_A.weight"] = torch.Size([spec.rank, in_f])
-        full_shapes[f"{name}.lora_B.weight"] = torch.Size([out_f, spec.rank])
+    found = lora_targets(model, target_names(spec))
+    full_shapes.update(factor_shapes(full_shapes, spec, [name for name, _ in found]))
     replica_ranks = layout.state_ranks(ranks.replica)
     slicers = [layout.slicer(r, full_shapes) for r in replica_ranks]
     for name, linear in found:

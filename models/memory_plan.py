@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from dhp.models.fine_tuning import FineTuning
+
 GIB = 2**30
 MARGIN = 0.9  # a plan fits when its total is at most this share of the device: allocator slack, CUDA context
 
@@ -93,36 +95,92 @@ def activation_bytes_per_element(cfg: Any, stage: str) -> int:
     return 2 if pure or (on_gpu and compute == "bfloat16") else 4
 
 
-def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0) -> dict[str, int]:
-    """Parameter, gradient and AdamW bytes rank `rank` holds (the layout's elements and ZeRO-1 share, the
-    precision's bytes), and torch's foreach-AdamW temporary while it steps (one moment of that share)."""
-    held = held_numel(layout, shapes, rank)
-    moments = held * layout.optimizer_fraction * precision.optimizer_bytes
-    return {"params": held * precision.param_bytes, "grads": held * precision.grad_bytes,
+def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0,
+                      fine_tuning: Any = None) -> dict[str, int]:
+    """Parameter, gradient and AdamW bytes rank `rank` holds (the layout's elements, the precision's bytes),
+    and torch's foreach-AdamW temporary while it steps (one moment of that share). With `fine_tuning`
+    (models/fine_tuning.py: the plan's case) gradients and moments only for what trains, and the moments of
+    the busiest rank of the ZeRO-1 group (`zero1_largest`); without, everything trains and the moments are the
+    group's even share (`dhp bench memory`'s per-rank average, which sums to the checkpoint's)."""
+    held = held_numels(layout, shapes, rank)
+    trained = [n for n in shapes if fine_tuning is None or fine_tuning.trainable(n)]
+    grads = sum(held[n] for n in trained)
+    if fine_tuning is None:
+        moments = grads * layout.optimizer_fraction
+    else:
+        moments = zero1_largest(layout, [(n, held[n], len(shapes[n])) for n in trained if held[n]], fine_tuning)
+    moments *= precision.optimizer_bytes
+    return {"params": sum(held.values()) * precision.param_bytes, "grads": grads * precision.grad_bytes,
             "optimizer": round(moments), "optimizer_step_temp": round(moments / 2)}
 
 
-def held_numel(layout: Any, shapes: dict, rank: int, _cache: dict = {}) -> int:  # noqa: B006
-    """`layout.state_numel`, once per layout and shapes: a layout search asks for the same ones again."""
+def zero1_largest(layout: Any, trained: list[tuple[str, int, int]], fine_tuning: Any) -> float:
+    """Elements of AdamW state the busiest rank of a ZeRO-1 group steps, from (name, held elements, ndim) of
+    the rank's trainable parameters in model order: torch's ZeroRedundancyOptimizer puts whole parameters,
+    group by group and largest first, on the rank with the fewest elements so far. With few trainable
+    tensors (a merger-only ViT: 5) that is far from an even split. A layout whose moments are not split this
+    way (ZeRO-3's are sharded like their parameters) takes `optimizer_fraction` of the sum."""
+    total = sum(numel for _, numel, _ in trained)
+    group = round(1 / layout.optimizer_fraction) if layout.optimizer_fraction > 0 else 1
+    if group <= 1 or layout.spans_pool:
+        return total * layout.optimizer_fraction
+    params = [g["params"] for g in fine_tuning.grouped([(n, numel, ndim) for n, numel, ndim in trained])]
+    sizes = [0] * group
+    for numels in params:
+        for numel in sorted(numels, reverse=True):
+            sizes[sizes.index(min(sizes))] += numel
+    return float(max(sizes))
+
+
+def held_numels(layout: Any, shapes: dict, rank: int, _cache: dict = {}) -> dict[str, int]:  # noqa: B006
+    """Elements of each tensor of `shapes` rank `rank` holds, from the layout's slicer, once per layout and
+    shapes: a layout search asks for the same ones again."""
     key = (type(layout), layout.stage, layout.degree, layout.num_actors, id(shapes), rank)
     if key not in _cache:
-        _cache[key] = (shapes, layout.state_numel(shapes, rank))  # holds `shapes`, so its id stays its own
+        _cache[key] = (shapes, layout.held_numels(shapes, rank))  # holds `shapes`, so its id stays its own
     return _cache[key][1]
 
 
-def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0) -> tuple[float, float]:
+def held_numel(layout: Any, shapes: dict, rank: int) -> int:
+    """`layout.state_numel`, cached (`held_numels`)."""
+    return sum(held_numels(layout, shapes, rank).values())
+
+
+def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0, frozen: bool = False,
+                     lora: Any = None) -> tuple[float, float]:
     """(bytes the decoder keeps for backward at the end of its forward, one layer's share) for `tokens`
     tokens at TP degree `tp`, `b` bytes per element, `recomputed` layers checkpointed: the per-token count
-    of this module's docstring."""
+    of this module's docstring. `frozen`: the weights take no gradient (text.train none or lora), only the
+    embeddings do; `lora`: the `text.lora` spec of the factors on it."""
     h, i, n = t.hidden_size, t.intermediate_size, t.num_attention_heads
     d = h // n
     kv = max(1, t.num_key_value_heads // tp) * d
     norm = (2 * h + 1) * 4 + h * b
-    per_layer = tokens * (2 * norm + b * (2 * h + 4 * i) / tp + 4 * n / tp + 2 * b * kv)
+    per_token = 2 * norm + b * (2 * h + 4 * i) / tp + 4 * n / tp + 2 * b * kv
+    final = (2 * h + 1) * 4
+    if frozen:
+        per_token, final = frozen_layer_bytes(h, i, n, kv, tp, b, lora), (h + 1) * 4
+    per_layer = tokens * per_token
     layers = t.num_hidden_layers
     rope = 2 * d * b if recomputed < layers else 0
-    kept = (layers - recomputed) * per_layer + tokens * (recomputed * h * b + rope + (2 * h + 1) * 4)
+    kept = (layers - recomputed) * per_layer + tokens * (recomputed * h * b + rope + final)
     return kept, per_layer
+
+
+def frozen_layer_bytes(h: int, i: int, n: int, kv: int, tp: int, b: int, lora: Any = None) -> float:
+    """Bytes per token a decoder layer with frozen weights keeps so that the gradient reaches its input: a
+    Linear keeps nothing (its input serves only its weight's gradient), an RMSNorm its input and rsqrt (fp32),
+    attention what SDPA saves (q, k, v, output, logsumexp), the MLP gate, act(gate) and up. LoRA factors
+    bring back the inputs of their layers (A's gradient; q/k/v share the attention norm's output, gate/up the
+    MLP norm's, o's is the attention output SDPA keeps anyway) and keep A's output, r wide (B's gradient)."""
+    kept = 2 * (h + 1) * 4 + b * (2 * h + 3 * i) / tp + 4 * n / tp + 2 * b * kv
+    if lora is not None:
+        from dhp.models.lora import target_names
+
+        targets = set(target_names(lora))
+        kept += b * h * (bool(targets & {"q_proj", "k_proj", "v_proj"}) + bool(targets & {"gate_proj", "up_proj"}))
+        kept += b * i / tp * ("down_proj" in targets) + b * lora.rank * len(targets)
+    return kept
 
 
 def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tuple[float, float]:
@@ -137,12 +195,18 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
     layout = stage_layout(cfg, stage, model_config)
     b = activation_bytes_per_element(cfg, stage)
     ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
+    ft = FineTuning(cfg)
     if stage == "vision":
         shape = VitShape.of(model_config.vision_config.to_dict())
-        kept = layout.vit_activation_bytes(shape, size, b, len(ac.chosen(shape.depth)))
-        return kept, layout.vit_activation_bytes(shape, size, b) / shape.depth  # one block, and then some
+        block = layout.vit_activation_bytes(shape, size, b) / shape.depth  # one block, and then some
+        if not ft.groups["merger"].trains:  # a frozen ViT runs under no_grad
+            return 0.0, block
+        if not ft.groups["vision_blocks"].trains:  # nothing in the blocks needs a gradient: only the merger keeps
+            return layout.merger_activation_bytes(shape, size, b), block
+        return layout.vit_activation_bytes(shape, size, b, len(ac.chosen(shape.depth))), block
     t = model_config.text_config
-    return text_activations(t, size, layout.degree, b, len(ac.chosen(t.num_hidden_layers)))
+    return text_activations(t, size, layout.degree, b, len(ac.chosen(t.num_hidden_layers)),
+                            frozen=not ft.groups["text"].trains or ft.lora is not None, lora=ft.lora)
 
 
 def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | None = None) -> RankPlan:
@@ -154,7 +218,9 @@ def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | No
     s = getattr(cfg, stage)
     layout = stage_layout(cfg, stage, model_config)
     prec = precision_of(cfg.model.precision)
-    module, shapes = meta_build(model_config, stage)
+    module, _ = meta_build(model_config, stage)
+    ft = FineTuning(cfg)
+    shapes = stage_shapes(model_config, stage, ft.lora)
     tokens = cfg.data.microbatch_tokens
     if stage == "vision":  # every token an image token: 4 patches each
         patches = 4 * tokens if vision_patches is None else vision_patches
@@ -169,7 +235,7 @@ def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | No
         transients += 2 * largest_unit * prec.param_bytes
     return RankPlan(
         stage=stage, layout=s.parallelism, degree=s.degree, num_actors=s.num_actors, precision=prec.name,
-        activation_checkpointing=s.activation_checkpointing, **model_state_bytes(layout, prec, shapes),
+        activation_checkpointing=s.activation_checkpointing, **model_state_bytes(layout, prec, shapes, 0, ft),
         activations=round(activations), transients=round(transients),
     )
 
@@ -195,6 +261,29 @@ def meta_build(model_config: Any, stage: str, _cache: dict = {}) -> tuple[torch.
         module = meta_stage(model_config, stage)
         _cache[key] = (model_config, module, full_shapes(model_config, stage, module))  # holds the id's owner
     return _cache[key][1], _cache[key][2]
+
+
+def stage_shapes(model_config: Any, stage: str, lora: Any = None, _cache: dict = {}) -> dict:  # noqa: B006
+    """`meta_build`'s full shapes, with the LoRA factors' (`text.lora`, None: none) after their base layer's
+    tensors, in the order the laid-out model lists its parameters."""
+    from dhp.models.lora import factor_shapes
+
+    shapes = meta_build(model_config, stage)[1]
+    if lora is None or stage != "text":
+        return shapes
+    key = (id(shapes), lora.rank, lora.targets)
+    if key not in _cache:
+        factors = factor_shapes(shapes, lora)
+        out: dict = {}
+        for name, shape in shapes.items():
+            out[name] = shape
+            layer = name.rsplit(".", 1)[0]
+            last = f"{layer}.bias" if f"{layer}.bias" in shapes else f"{layer}.weight"
+            if name == last and f"{layer}.lora_A.weight" in factors:
+                out[f"{layer}.lora_A.weight"] = factors[f"{layer}.lora_A.weight"]
+                out[f"{layer}.lora_B.weight"] = factors[f"{layer}.lora_B.weight"]
+        _cache[key] = (shapes, out)
+    return _cache[key][1]
 
 
 def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None,

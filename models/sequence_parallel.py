@@ -340,6 +340,9 @@ class SequenceParallel(Layout):
         """ZeRO-1: a 2(N-1)/N all-reduce of every gradient, then an (N-1)/N broadcast of every parameter."""
         return 3 * (self.degree - 1) / self.degree * s.params() * b
 
+    def merger_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        return super().merger_activation_bytes(s, patches, b) / self.degree  # each rank merges its own shard
+
     def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
         """Everything / N; a full block keeps the all-to-all output instead of q, k, qkv; only the inverse
         window index is kept. Recomputed blocks: their share of the full ones, by proportion."""

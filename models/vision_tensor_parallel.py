@@ -220,6 +220,10 @@ class VisionTensorParallel(TensorParallel):
         """By convention, an all-reduce of the replicated parameters (which dhp skips: identical gradients)."""
         return 2 * (self.degree - 1) / self.degree * s.replicated_params() * b
 
+    def merger_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
+        """ln_q's output and mlp.0's input replicated; the GELU's input and output split."""
+        return (2 + 2 / self.degree) * s.d * patches * b
+
     def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
         """The per-block attention and MLP activations / N; pixels, rotary, norms, block inputs replicated."""
         if self.degree == 1:
