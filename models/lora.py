@@ -29,6 +29,7 @@ from torch import nn
 
 from dhp.models.layout import Layout, PoolRanks
 from dhp.models.tensor_parallel import sum_over_holders
+from dhp.stages.config import ConfigError
 
 
 def _add_update(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,8 @@ def factor_shapes(full_shapes: dict[str, Any], spec: Any, layers: list[str] | No
         targets = target_names(spec)
         layers = [n[: -len(".weight")] for n, shape in full_shapes.items() if n.startswith("language_model.layers.")
                   and n.endswith(".weight") and len(shape) == 2 and n.split(".")[-2] in targets]
+        if not layers:  # what `lora_targets` raises in the worker, said before anything starts
+            raise ConfigError(f"text.lora.targets {targets} match no Linear of the language model's layers")
     out = {}
     for name in layers:
         out_f, in_f = full_shapes[f"{name}.weight"]

@@ -2,9 +2,10 @@
 
 Per rank, in bytes, counted on the meta device (nothing allocated):
 
-- model states: the layout's elements (`state_numel`) x the precision's bytes for parameters and gradients;
-  AdamW moments x the layout's ZeRO-1 share (`optimizer_fraction`); torch's foreach AdamW temporary (one
-  moment of that share) while it steps;
+- model states: the layout's elements (`state_numel`) x the precision's bytes for parameters, and for the
+  gradients and AdamW moments of what trains (`FineTuning`: LoRA factors included); the moments of the
+  busiest rank of the layout's ZeRO-1 group (`zero1_largest`); torch's foreach AdamW temporary (one moment
+  of that share) while it steps;
 - activations kept for backward at the configured `data.microbatch_tokens`: vision with every token of a
   micro-batch an image token (4 patches each: the most a micro-batch can carry), from the layouts' own
   saved-tensor formulas (`vit_activation_bytes`), times `pipeline.max_in_flight` (each vision micro-batch
@@ -147,7 +148,7 @@ def held_numel(layout: Any, shapes: dict, rank: int) -> int:
 
 
 def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0, frozen: bool = False,
-                     lora: Any = None) -> tuple[float, float]:
+                     lora: Any = None, mask_bytes: int = 1) -> tuple[float, float]:
     """(bytes the decoder keeps for backward at the end of its forward, one layer's share) for `tokens`
     tokens at TP degree `tp`, `b` bytes per element, `recomputed` layers checkpointed: the per-token count
     of this module's docstring. `frozen`: the weights take no gradient (text.train none or lora), only the
@@ -159,7 +160,7 @@ def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0, 
     per_token = 2 * norm + b * (2 * h + 4 * i) / tp + 4 * n / tp + 2 * b * kv
     final = (2 * h + 1) * 4
     if frozen:
-        per_token, final = frozen_layer_bytes(h, i, n, kv, tp, b, lora), (h + 1) * 4
+        per_token, final = frozen_layer_bytes(h, i, n, kv, tp, b, lora, mask_bytes), (h + 1) * 4
     per_layer = tokens * per_token
     layers = t.num_hidden_layers
     rope = 2 * d * b if recomputed < layers else 0
@@ -167,19 +168,28 @@ def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0, 
     return kept, per_layer
 
 
-def frozen_layer_bytes(h: int, i: int, n: int, kv: int, tp: int, b: int, lora: Any = None) -> float:
+def frozen_layer_bytes(h: int, i: int, n: int, kv: int, tp: int, b: int, lora: Any = None,
+                       mask_bytes: int = 1) -> float:
     """Bytes per token a decoder layer with frozen weights keeps so that the gradient reaches its input: a
     Linear keeps nothing (its input serves only its weight's gradient), an RMSNorm its input and rsqrt (fp32),
     attention what SDPA saves (q, k, v, output, logsumexp), the MLP gate, act(gate) and up. LoRA factors
     bring back the inputs of their layers (A's gradient; q/k/v share the attention norm's output, gate/up the
-    MLP norm's, o's is the attention output SDPA keeps anyway) and keep A's output, r wide (B's gradient)."""
+    MLP norm's, o's is the attention output SDPA keeps anyway) and keep A's output, r wide (B's gradient).
+    With `text.lora.dropout` > 0 each factor's input is its own dropout output, kept with its mask:
+    `mask_bytes` per element (CUDA's fused dropout keeps a bool mask, 1; on a CPU the mask is a tensor of the
+    input's dtype, measured)."""
     kept = 2 * (h + 1) * 4 + b * (2 * h + 3 * i) / tp + 4 * n / tp + 2 * b * kv
     if lora is not None:
         from dhp.models.lora import target_names
 
         targets = set(target_names(lora))
-        kept += b * h * (bool(targets & {"q_proj", "k_proj", "v_proj"}) + bool(targets & {"gate_proj", "up_proj"}))
-        kept += b * i / tp * ("down_proj" in targets) + b * lora.rank * len(targets)
+        kept += b * lora.rank * len(targets)
+        if lora.dropout > 0:
+            width = {"o_proj": h / tp, "down_proj": i / tp}  # row-parallel: their input is split
+            kept += sum((b + mask_bytes) * width.get(t, h) for t in targets)
+        else:
+            kept += b * h * (bool(targets & {"q_proj", "k_proj", "v_proj"}) + bool(targets & {"gate_proj", "up_proj"}))
+            kept += b * i / tp * ("down_proj" in targets)
     return kept
 
 
@@ -206,7 +216,8 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
         return layout.vit_activation_bytes(shape, size, b, len(ac.chosen(shape.depth))), block
     t = model_config.text_config
     return text_activations(t, size, layout.degree, b, len(ac.chosen(t.num_hidden_layers)),
-                            frozen=not ft.groups["text"].trains or ft.lora is not None, lora=ft.lora)
+                            frozen=not ft.groups["text"].trains or ft.lora is not None, lora=ft.lora,
+                            mask_bytes=1 if s.num_gpus_per_actor > 0 else b)
 
 
 def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | None = None) -> RankPlan:

@@ -73,3 +73,12 @@ def test_text_activation_formula_matches_what_autograd_keeps():
     kept = snap["Total"] - sum(v for k, v in snap.items() if str(k).split(".")[-1] in STATE)  # `out` included
     want, _ = text_activations(config.text_config, 1024, tp=1, b=4)
     assert abs(kept - want) <= 0.1 * want, (kept, want)
+
+
+def test_lora_targets_that_match_nothing_fail_at_the_plan():
+    """Said before Ray starts (dhp train plans first), not by add_lora inside a text worker."""
+    from dhp.stages.config import ConfigError
+
+    cfg = load_config("tiny", ["text.train=lora", "text.lora.targets=qkv"])
+    with pytest.raises(ConfigError, match=r"text.lora.targets \['qkv'\] match no Linear"):
+        plan(cfg, model_config_of(cfg))

@@ -58,6 +58,8 @@ def test_plan_matches_what_the_actors_hold(deep_setup, ray_session, layout, repl
 FINE_TUNING = {
     "sp2-tp2-merger-lora": (SP2 + TP2 + ["vision.train=merger", "text.train=lora"], [[[0, 1], [2]]]),
     "sp2-tp2-none-all": (SP2 + TP2 + ["vision.train=none"], [[[0, 1], [2]]]),
+    "tp2-lora-dropout": (TP2 + ["text.train=lora", "text.lora.dropout=0.1",
+                                "text.lora.targets=q_proj,o_proj,down_proj"], [[[0], [1, 2]]]),
     "1v1t-all-none-ac2": (["vision.activation_checkpointing=every_n", "text.train=none",
                            "text.activation_checkpointing=every_n"], [[[0], [1], [2]]]),
 }
