@@ -45,6 +45,16 @@ class ActivationCheckpointing:
         if self.every < 1:
             raise ValueError(f"activation_checkpointing_every={self.every} must be >= 1")
 
+    @classmethod
+    def of(cls, stage: Any) -> ActivationCheckpointing:
+        """The setting of a stage's config (`vision` / `text`: `activation_checkpointing`, `..._every`)."""
+        return cls(stage.activation_checkpointing, stage.activation_checkpointing_every)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any block recomputes."""
+        return self.mode != "none"
+
     def chosen(self, num_blocks: int) -> list[int]:
         """Indices of the blocks that recompute."""
         if self.mode == "none":

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from dhp.models.fine_tuning import FineTuning
+from dhp.models.lora import factor_shapes, target_names
 
 GIB = 2**30
 MARGIN = 0.9  # a plan fits when its total is at most this share of the device: allocator slack, CUDA context
@@ -180,8 +181,6 @@ def frozen_layer_bytes(h: int, i: int, n: int, kv: int, tp: int, b: int, lora: A
     input's dtype, measured)."""
     kept = 2 * (h + 1) * 4 + b * (2 * h + 3 * i) / tp + 4 * n / tp + 2 * b * kv
     if lora is not None:
-        from dhp.models.lora import target_names
-
         targets = set(target_names(lora))
         kept += b * lora.rank * len(targets)
         if lora.dropout > 0:
@@ -204,7 +203,7 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
     s = getattr(cfg, stage)
     layout = stage_layout(cfg, stage, model_config)
     b = activation_bytes_per_element(cfg, stage)
-    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
+    ac = ActivationCheckpointing.of(s)
     ft = FineTuning(cfg)
     if stage == "vision":
         shape = VitShape.of(model_config.vision_config.to_dict())
@@ -275,25 +274,14 @@ def meta_build(model_config: Any, stage: str, _cache: dict = {}) -> tuple[torch.
 
 
 def stage_shapes(model_config: Any, stage: str, lora: Any = None, _cache: dict = {}) -> dict:  # noqa: B006
-    """`meta_build`'s full shapes, with the LoRA factors' (`text.lora`, None: none) after their base layer's
-    tensors, in the order the laid-out model lists its parameters."""
-    from dhp.models.lora import factor_shapes
-
+    """`meta_build`'s full shapes, and the LoRA factors' (`text.lora`, None: none). Their order does not
+    matter to the plan: ZeRO-1's partition sorts each group by size."""
     shapes = meta_build(model_config, stage)[1]
     if lora is None or stage != "text":
         return shapes
     key = (id(shapes), lora.rank, lora.targets)
     if key not in _cache:
-        factors = factor_shapes(shapes, lora)
-        out: dict = {}
-        for name, shape in shapes.items():
-            out[name] = shape
-            layer = name.rsplit(".", 1)[0]
-            last = f"{layer}.bias" if f"{layer}.bias" in shapes else f"{layer}.weight"
-            if name == last and f"{layer}.lora_A.weight" in factors:
-                out[f"{layer}.lora_A.weight"] = factors[f"{layer}.lora_A.weight"]
-                out[f"{layer}.lora_B.weight"] = factors[f"{layer}.lora_B.weight"]
-        _cache[key] = (shapes, out)
+        _cache[key] = (shapes, {**shapes, **factor_shapes(shapes, lora)})  # holds `shapes`, so its id stays its own
     return _cache[key][1]
 
 

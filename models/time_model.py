@@ -100,8 +100,7 @@ def samples_per_microbatch(cfg: Any, w: Workload) -> int:
 def _recomputed_share(s: Any, blocks: int) -> float:
     from dhp.models.activation_checkpointing import ActivationCheckpointing
 
-    ac = ActivationCheckpointing(s.activation_checkpointing, s.activation_checkpointing_every)
-    return len(ac.chosen(blocks)) / blocks
+    return len(ActivationCheckpointing.of(s).chosen(blocks)) / blocks
 
 
 def _bytes(cfg: Any, stage: str) -> int:

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.hardware import Profile, profile
 from dhp.models.time_model import Workload, step_time
 from dhp.scripts.results import write_json
@@ -75,7 +76,7 @@ def describe(cfg: Config) -> str:
         return f"{layout_class(stage, s.parallelism).label}{s.degree if s.degree > 1 else ''}" + (
             f" x{reps}" if reps > 1 else "")
 
-    ac = "/".join("AC" if s.activation_checkpointing != "none" else "-" for s in (cfg.vision, cfg.text))
+    ac = "/".join("AC" if ActivationCheckpointing.of(s).recomputes else "-" for s in (cfg.vision, cfg.text))
     return (f"vision {pool('vision')} | text {pool('text')} | {cfg.pipeline.placement} | "
             f"in flight {cfg.pipeline.max_in_flight} | ckpt {ac} | {cfg.model.precision}")
 

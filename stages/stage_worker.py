@@ -136,9 +136,7 @@ class StageWorker(DistributedWorker):
             seed=self.cfg.model.init_seed, path=self.cfg.model.path, freeze=self.fine_tuning.freeze,
         )
         self.adapt()
-        self.activation_checkpointing = ActivationCheckpointing(
-            self.stage_cfg.activation_checkpointing, self.stage_cfg.activation_checkpointing_every
-        )
+        self.activation_checkpointing = ActivationCheckpointing.of(self.stage_cfg)
         self.activation_checkpointing.apply(self.model.blocks())
         self.optimizer = self.scheduler = None  # a frozen stage: no optimizer state at all
         if self.trains:
