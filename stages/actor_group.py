@@ -110,21 +110,42 @@ class ActorGroup:
             group, bundle = placement[rank]
             return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, bundle)}
 
-        self.actors = [
-            TrackedActor(remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, **options(rank)).remote(
-                *init_args, rank=rank, world_size=num_actors, torch_threads=torch_threads
-            ), name, rank, self.ledger)
-            for rank in range(num_actors)
-        ]
-        pings = [a.ping.remote() for a in self.actors]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=placement_timeout_s)
-        if len(ready) < len(pings):  # a rendezvous with missing ranks would wait forever
-            for actor in self.actors:
-                ray.kill(actor.handle, no_restart=True)
-            raise RuntimeError(
-                f"only {len(ready)} of {num_actors} {name} actors started within {placement_timeout_s:g} s: "
-                f"the cluster lacks the resources ({num_cpus:g} CPU, {num_gpus:g} GPU per actor)"
-            )
+        def start() -> list[TrackedActor]:
+            actors = [
+                TrackedActor(remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, **options(rank)).remote(
+                    *init_args, rank=rank, world_size=num_actors, torch_threads=torch_threads
+                ), name, rank, self.ledger)
+                for rank in range(num_actors)
+            ]
+            pings = [a.ping.remote() for a in actors]
+            ready, _ = ray.wait(pings, num_returns=len(pings), timeout=placement_timeout_s)
+            if len(ready) < len(pings):  # a rendezvous with missing ranks would wait forever
+                for actor in actors:
+                    ray.kill(actor.handle, no_restart=True)
+                raise RuntimeError(
+                    f"only {len(ready)} of {num_actors} {name} actors started within {placement_timeout_s:g} s: "
+                    f"the cluster lacks the resources ({num_cpus:g} CPU, {num_gpus:g} GPU per actor)"
+                )
+            try:
+                ray.get(pings)  # a rank whose constructor raised, or whose process died, fails here
+            except ray.exceptions.RayActorError:
+                for actor in actors:
+                    ray.kill(actor.handle, no_restart=True)
+                raise
+            return actors
+
+        try:
+            self.actors = start()
+        except ray.exceptions.ActorDiedError as died:
+            # A process that died before it answered anything (no state lost: no rank has joined the group yet)
+            # is started again once: a process-level accident at start-up (seen once in CI: a rank's worker
+            # exited before its first call) should not fail a run. A constructor that raises is not retried;
+            # a second death is reported as is.
+            if died.actor_init_failed:
+                raise
+            print(f"{name}: a rank's process died while starting ({str(died).splitlines()[0]}); "
+                  "starting the pool again", flush=True)
+            self.actors = start()
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
         ray.get([a.setup.remote() for a in self.actors])

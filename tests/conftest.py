@@ -181,3 +181,30 @@ def s3_endpoint():
             yield endpoint
         finally:
             server.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used the shared Ray gets the stderr of the Ray worker processes that wrote any during
+    it (a crashed actor's last words: a segfault, an abort, a Python error outside a task) and the machine's
+    free memory appended to its report. With `log_to_driver=False` nothing else would show why an actor died."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "setup":
+        item._dhp_started = call.start
+    if not report.failed or call.when != "call" or "ray_session" not in getattr(item, "fixturenames", ()):
+        return
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if not ray.is_initialized() or node is None:
+        return
+    logs = Path(node.get_logs_dir_path())
+    started = getattr(item, "_dhp_started", call.start)
+    recent = sorted((p for p in logs.glob("*.err") if p.stat().st_size and p.stat().st_mtime >= started),
+                    key=lambda p: p.stat().st_mtime)[-4:]
+    parts = [f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in recent]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        parts.append("--- /proc/meminfo\n" + "".join(meminfo.read_text().splitlines(True)[:3]))
+    report.sections.append(("Ray worker stderr during this test", "\n".join(parts) or "(none written)"))

@@ -1,5 +1,6 @@
 """The parts of fault tolerance that need no cluster: step deadlines, the preemption handler, injected
-save faults, custom-resource placement and its config (the faults themselves: test_faults.py)."""
+save faults, custom-resource placement and its config, a rank that dies while its pool starts (the faults
+themselves: test_faults.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import pytest
 
 from dhp.stages import watchdog
+from dhp.stages.actor_group import ActorGroup, DistributedWorker
 from dhp.stages.config import ConfigError, load_config
 from dhp.stages.fault_injection import VARIABLE, save_fault
 from dhp.stages.placement import _bundle, _resources
@@ -72,3 +74,36 @@ def test_custom_resources_reach_the_bundles_and_are_checked():
         load_config("tiny", ["text.resources={gpu_host: -1}"])
     with pytest.raises(ConfigError, match="on_checkpoint_error"):
         load_config("tiny", ["training.on_checkpoint_error=ignore"])
+
+
+
+class _DiesAtStart(DistributedWorker):
+    """A pool worker whose rank 1 exits in its constructor on the first `deaths` attempts (each constructor
+    appends its rank to `marker`), or whose constructor raises when `deaths` is -1."""
+
+    def __init__(self, marker: str, deaths: int, rank: int, world_size: int, torch_threads: int = 1):
+        super().__init__(rank, world_size, torch_threads)
+        with open(marker, "a") as f:
+            f.write(f"{rank}\n")
+        if deaths < 0:
+            raise ValueError("a constructor that raises")
+        if rank == 1 and len(open(marker).read().splitlines()) <= 2 * deaths:
+            os._exit(1)
+
+
+@pytest.mark.parametrize("deaths", [1, 2, -1], ids=["once", "twice", "raises"])
+def test_rank_dying_at_start_is_started_again_once(ray_session, tmp_path, capsys, deaths):
+    marker = tmp_path / "attempts"
+    args = dict(init_args=(str(marker), deaths), num_cpus=0.1)
+    if deaths == 1:
+        pool = ActorGroup("vision", _DiesAtStart, 2, **args)
+        try:
+            assert pool.execute_all("ping") == [0, 1]  # the second attempt formed its group
+        finally:
+            pool.shutdown()
+        assert "vision: a rank's process died while starting" in capsys.readouterr().out
+    else:
+        with pytest.raises(ray_session.exceptions.ActorDiedError):
+            ActorGroup("vision", _DiesAtStart, 2, **args)
+    attempts = {1: 2, 2: 2, -1: 1}[deaths]  # a constructor that raises is a bug, not an accident: no retry
+    assert len(marker.read_text().splitlines()) == 2 * attempts
