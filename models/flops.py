@@ -47,9 +47,14 @@ def vision_linear_flops_per_patch(vc: Any) -> float:
     h, inter, m, depth = _vision_dims(vc)
     embed = 2 * vc.in_channels * vc.temporal_patch_size * vc.patch_size**2 * h
     block = 2 * (4 * h * h + 3 * h * inter)  # qkv (3h) + proj (h) + gate/up/down
+    return embed + depth * block + merger_flops_per_patch(vc)
+
+
+def merger_flops_per_patch(vc: Any) -> float:
+    """Forward FLOPs per patch of the patch merger's two Linears (one merged token per m^2 patches)."""
+    h, _, m, _ = _vision_dims(vc)
     merged = h * m * m
-    merger = 2 * (merged * merged + merged * vc.out_hidden_size) / (m * m)  # per patch: 1 / m^2 merged token
-    return embed + depth * block + merger
+    return 2 * (merged * merged + merged * vc.out_hidden_size) / (m * m)
 
 
 def window_lengths(vc: Any, t: int, gh: int, gw: int) -> list[int]:

@@ -37,6 +37,12 @@ time in it. Per step on top: the gradient synchronisation of data-parallel repli
 ZeRO-1 broadcast) and the AdamW step (memory bound: params, grads and moments read, params and moments
 written), both pools in turn on a shared device.
 
+Fine-tuning modes (models/fine_tuning.py, the object the memory plan asks too): a frozen ViT runs no backward
+call at all; a merger-only ViT's backward is the merger's weight gradients (nothing below it needs one); a
+frozen or LoRA language model's backward computes input gradients only (forward 1, backward 1 for its
+Linears and lm_head; the embeddings still need theirs), plus the LoRA factors' three passes; gradient
+accumulation, gradient sync and AdamW count only what trains.
+
 Stated simplifications: every micro-batch is the same shape (no packing variance); communication inside
 a node unless the group spans more GPUs than a node has; no overlap of TP/SP collectives with compute.
 """
@@ -47,8 +53,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dhp.models.fine_tuning import FineTuning
 from dhp.models.hardware import Profile
-from dhp.models.memory_plan import held_numel, meta_build, text_activations
+from dhp.models.memory_plan import held_numel, held_numels, stage_shapes, text_activations
 
 VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attention, proj, MLP, residuals)
 TEXT_LAYER_OPS = 36  # per decoder layer forward (fp32 RMSNorms are several kernels each)
@@ -141,21 +148,29 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
         comm = count * prof.collective_s(collective, tensor, n, _nodes_spanned(n, prof))
     recompute = _recomputed_share(s, vc.depth)
     ops = VIT_BLOCK_OPS * vc.depth * prof.op_latency_s
+    ft = FineTuning(cfg)
+    blocks_train = ft.groups["vision_blocks"].trains
     fwd, bwd = CallCost(), CallCost()
     for part, sec in (("linear", linear), ("window_attention", window_s), ("full_attention", full_s)):
         fwd.add(part, sec)
-        bwd.add(part, (2 if part == "linear" else prof.attention_backward_ratio) * sec)
-        bwd.add("recompute", recompute * sec)
+        if blocks_train:
+            bwd.add(part, (2 if part == "linear" else prof.attention_backward_ratio) * sec)
+            bwd.add("recompute", recompute * sec)
+    if not blocks_train and ft.trains("vision"):  # merger only: its weight gradients, nothing below it
+        bwd.add("linear", flops.merger_flops_per_patch(vc) * p * share / prof.matmul_rate(width))
     fwd.add("collectives", comm)
-    bwd.add("collectives", comm)
-    bwd.add("recompute", recompute * comm)
     fwd.add("kernels", ops)
-    bwd.add("kernels", ops * (BACKWARD_OPS + recompute))
+    if blocks_train:
+        bwd.add("collectives", comm)
+        bwd.add("recompute", recompute * comm)
+        bwd.add("kernels", ops * (BACKWARD_OPS + recompute))
     if prof.memory_passes:
         traffic = layout.vit_activation_bytes(shape, p, b) / (prof.memory_gbps * 1e9)
         fwd.add("memory", traffic)
-        bwd.add("memory", (prof.memory_passes - 1) * traffic + _grad_accumulate_s(layout, mc, prof, "vision", cfg))
-        bwd.add("recompute", recompute * traffic)
+        if blocks_train:
+            bwd.add("memory", (prof.memory_passes - 1) * traffic)
+            bwd.add("recompute", recompute * traffic)
+        bwd.add("memory", _grad_accumulate_s(layout, mc, prof, "vision", cfg))
     fwd.scale_compute(prof.efficiency.get("vision_forward", 1.0))
     bwd.scale_compute(prof.efficiency.get("vision_backward", 1.0))
     if layout.spans_pool:  # ZeRO-3 gathers each unit forward and backward, reduce-scatters its gradients
@@ -165,8 +180,10 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
         _overlap(bwd, g, prof)
     boundary = _boundary_s(cfg, mc, prof, p // 4)
     fwd.add("boundary", boundary)
-    bwd.add("boundary", boundary)
     fwd.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
+    if not ft.trains("vision"):  # a frozen ViT: the trainer sends no gradient back and calls no backward
+        return fwd, CallCost()
+    bwd.add("boundary", boundary)
     bwd.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
     return fwd, bwd
 
@@ -189,9 +206,17 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
     attention = causal / prof.attention_rate("causal_attention", head_dim)
     head = flops.lm_head_flops_per_token(tc) * w.text_tokens * samples * share / prof.matmul_rate(tc.hidden_size)
     recompute = _recomputed_share(s, layers)
+    ft = FineTuning(cfg)
+    weights_train = ft.groups["text"].trains and ft.lora is None  # frozen / LoRA base: input gradients only
+    passes = 3 if weights_train else 2
     cost = CallCost()
     for part, sec in (("linear", linear), ("attention", attention), ("lm_head", head)):
-        cost.add(part, (3 if part != "attention" else 1 + prof.attention_backward_ratio) * sec)
+        cost.add(part, (passes if part != "attention" else 1 + prof.attention_backward_ratio) * sec)
+    if ft.lora is not None:  # the factors: forward, input and weight gradients, on this rank's share of them
+        full = stage_shapes(mc, "text")
+        held = held_numels(layout, stage_shapes(mc, "text", ft.lora), 0)
+        factors = sum(v for n, v in held.items() if n not in full)
+        cost.add("linear", 3 * 2 * factors * tokens / prof.matmul_rate(ft.lora.rank))
     cost.add("recompute", recompute * (linear + attention))
     if layout.width_shards > 1:
         # [L, H] all-reduces: 2 per layer forward (o, down) and 2 backward (in front of qkv, gate/up), the
@@ -201,7 +226,8 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
         one = prof.collective_s("all_reduce", tokens * tc.hidden_size * b, t, _nodes_spanned(t, prof))
         cost.add("collectives", (4 * layers + 2) * one)
         cost.add("recompute", 2 * layers * recompute * one)
-    cost.add("kernels", TEXT_LAYER_OPS * layers * (1 + BACKWARD_OPS + recompute) * prof.op_latency_s)
+    backward_ops = BACKWARD_OPS if weights_train else 1
+    cost.add("kernels", TEXT_LAYER_OPS * layers * (1 + backward_ops + recompute) * prof.op_latency_s)
     if prof.memory_passes:
         traffic = text_activations(tc, tokens, layout.width_shards, b)[0]
         traffic /= prof.memory_gbps * 1e9
@@ -222,8 +248,16 @@ def _grad_accumulate_s(layout: Any, mc: Any, prof: Profile, stage: str, cfg: Any
     the embedding's is dense: its whole table, whatever the tokens)."""
     from dhp.models.precision import precision_of
 
-    held = held_numel(layout, _shapes(mc, stage), 0)
+    held, _ = _trained(cfg, mc, layout, stage)
     return 3 * held * precision_of(cfg.model.precision).grad_bytes / (prof.memory_gbps * 1e9)
+
+
+def _trained(cfg: Any, mc: Any, layout: Any, stage: str) -> tuple[int, int]:
+    """(elements, tensors) of rank 0's share of what trains in `stage` (models/fine_tuning.py)."""
+    ft = FineTuning(cfg)
+    held = held_numels(layout, stage_shapes(mc, stage, ft.lora), 0)
+    trained = [v for n, v in held.items() if ft.trainable(n) and v]
+    return sum(trained), len(trained)
 
 
 def _zero3_s(prof: Profile, cfg: Any, mc: Any, stage: str, bytes_model_s: float) -> tuple[float, float]:
@@ -258,8 +292,7 @@ def _boundary_s(cfg: Any, mc: Any, prof: Profile, merged_tokens: int) -> float:
 
 
 def _shapes(mc: Any, stage: str) -> dict:
-
-    return meta_build(mc, stage)[1]
+    return stage_shapes(mc, stage)
 
 
 def _numel(mc: Any, stage: str) -> int:
@@ -273,16 +306,17 @@ def step_extras(cfg: Any, mc: Any, prof: Profile, stage: str) -> dict[str, float
 
     layout = stage_layout(cfg, stage, mc)
     prec = precision_of(cfg.model.precision)
-    shapes = _shapes(mc, stage)
-    held = held_numel(layout, shapes, 0)
+    held = held_numel(layout, _shapes(mc, stage), 0)
     copies = 1 if layout.spans_pool else layout.num_actors * held // max(1, _numel(mc, stage))
+    trained, tensors = _trained(cfg, mc, layout, stage)  # DTensor dispatch and ZeRO-1: per parameter tensor
+    if not trained:  # a frozen stage neither syncs nor steps
+        return {"grad_sync": 0.0, "optimizer": 0.0}
     sync = 0.0
     if copies > 1:  # all-reduce of the gradients, then ZeRO-1's broadcast of what each stepped
-        sent = (copies - 1) / copies * held * (2 * prec.grad_bytes + prec.param_bytes)
+        sent = (copies - 1) / copies * trained * (2 * prec.grad_bytes + prec.param_bytes)
         sync = sent / prof.comm_rate("all_reduce", _nodes_spanned(layout.num_actors, prof))
-    stepped = held * layout.optimizer_fraction
+    stepped = trained * layout.optimizer_fraction
     adam = prof.optimizer_s(stepped, 2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)
-    tensors = len(shapes)  # DTensor dispatch (ZeRO-3) and ZeRO-1's broadcasts cost per parameter tensor
     if layout.spans_pool:
         adam += tensors * prof.zero3_optimizer_s_per_tensor
     elif layout.optimizer_fraction < 1:
