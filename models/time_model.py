@@ -55,6 +55,7 @@ from typing import Any
 
 from dhp.models.fine_tuning import FineTuning
 from dhp.models.hardware import Profile
+from dhp.models.lora import is_lora_factor
 from dhp.models.memory_plan import held_numel, held_numels, stage_shapes, text_activations
 
 VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attention, proj, MLP, residuals)
@@ -213,9 +214,8 @@ def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
     for part, sec in (("linear", linear), ("attention", attention), ("lm_head", head)):
         cost.add(part, (passes if part != "attention" else 1 + prof.attention_backward_ratio) * sec)
     if ft.lora is not None:  # the factors: forward, input and weight gradients, on this rank's share of them
-        full = stage_shapes(mc, "text")
         held = held_numels(layout, stage_shapes(mc, "text", ft.lora), 0)
-        factors = sum(v for n, v in held.items() if n not in full)
+        factors = sum(v for n, v in held.items() if is_lora_factor(n))
         cost.add("linear", 3 * 2 * factors * tokens / prof.matmul_rate(ft.lora.rank))
     cost.add("recompute", recompute * (linear + attention))
     if layout.width_shards > 1:
