@@ -125,6 +125,51 @@ def latest_valid(root: Path) -> tuple[Path | None, list[str]]:
     return None, notes
 
 
+class ResumeFrom:
+    """Where a run continues from (`training.resume`): one object per choice, asked by the driver.
+
+    `auto` -> `Newest` (this run directory's newest checkpoint that verifies, or a fresh start), `none` ->
+    `Fresh`, anything else -> `Given(path)` (a checkpoint of any run or layout; an unusable one is an error).
+    """
+
+    def point(self, run_dir: Path) -> Path | None:
+        """The checkpoint to restore, None for a fresh start; FileNotFoundError if a named one is unusable."""
+        raise NotImplementedError
+
+
+class Newest(ResumeFrom):
+    def point(self, run_dir: Path) -> Path | None:
+        ckpt, notes = latest_valid(run_dir / "checkpoints")
+        for note in notes:
+            print(f"resume: skipping {note}", flush=True)
+        return ckpt
+
+
+class Fresh(ResumeFrom):
+    def point(self, run_dir: Path) -> Path | None:
+        return None
+
+
+class Given(ResumeFrom):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def point(self, run_dir: Path) -> Path | None:
+        problem = verify(self.path)
+        if problem:
+            raise FileNotFoundError(f"training.resume={self.path}: not a usable checkpoint ({problem})")
+        return self.path
+
+
+_RESUME_WORDS: dict[str, type[ResumeFrom]] = {"auto": Newest, "none": Fresh}
+
+
+def resume_from(choice: str) -> ResumeFrom:
+    """The `ResumeFrom` that `training.resume` names (a word, or a checkpoint path)."""
+    known = _RESUME_WORDS.get(choice)
+    return known() if known is not None else Given(Path(choice))
+
+
 def prune(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints (0 = keep all); drop stale staging directories."""
     for stale in root.glob(".tmp-step_*"):

@@ -17,6 +17,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from dhp.stages.placement_modes import PlacementMode, placement_mode
+
 
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
@@ -153,10 +155,14 @@ class PipelineConfig:
     trace: bool = False  # write RUN_DIR/trace.json: every stage call on a timeline (chrome://tracing)
 
     @property
+    def placement_mode(self) -> PlacementMode:
+        """The `placement` string as the object everything asks (stages/placement_modes.py)."""
+        return placement_mode(self.placement)
+
+    @property
     def shared(self) -> bool:
-        """Vision actor b and text actor b share placement bundle b (one GPU, taking turns): the one place the
-        `placement` string is read (stages/placement.py, the time model and the memory plan ask this)."""
-        return self.placement == "shared"
+        """Vision actor b and text actor b share one device and take turns on it (the time model and plan ask)."""
+        return self.placement_mode.shares_devices
 
 
 @dataclass

@@ -17,7 +17,7 @@ import ray
 
 from dhp.dataflow.synth import write_synthetic_dataset
 from dhp.stages import run_log
-from dhp.stages.checkpoint_files import latest_valid, verify
+from dhp.stages.checkpoint_files import Newest, latest_valid, resume_from
 from dhp.stages.config import Config, ConfigError, one_line, save_config
 from dhp.stages.preemption import Preempted, Preemption
 from dhp.stages.watchdog import StepClock, StepHung
@@ -193,22 +193,6 @@ def _lost_node(trainer) -> bool:
     return bool(used - alive)
 
 
-def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
-    """The checkpoint to continue from: `training.resume` = auto (newest valid in this run), none, or a path."""
-    resume = cfg.training.resume
-    if resume == "none":
-        return None
-    if resume != "auto":
-        problem = verify(Path(resume))
-        if problem:
-            raise FileNotFoundError(f"training.resume={resume}: not a usable checkpoint ({problem})")
-        return Path(resume)
-    ckpt, notes = latest_valid(run_dir / "checkpoints")
-    for note in notes:
-        print(f"resume: skipping {note}", flush=True)
-    return ckpt
-
-
 def _lines_before(path: Path, step: int) -> list[str]:
     """JSONL lines of `path` whose `step` is before `step` (what a resumed run keeps)."""
     if step <= 1 or not path.exists():
@@ -222,7 +206,7 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
     start = time.perf_counter()
     ckpt_root = run_dir / "checkpoints"
     # After a fault, this run's own newest checkpoint, whatever `training.resume` said at the start.
-    resumed = latest_valid(ckpt_root)[0] if after_fault else _resume_point(cfg, run_dir)
+    resumed = (Newest() if after_fault else resume_from(t.resume)).point(run_dir)
     if resumed is not None:
         first = trainer.restore_checkpoint(resumed) + 1
         print(f"resumed from {resumed} (step {first - 1})", flush=True)

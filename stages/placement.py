@@ -1,10 +1,8 @@
-"""Where the two pools run: one Ray placement group they share, or one each.
+"""Where the two pools run: Ray placement groups reserved as the `pipeline.placement` mode asks.
 
-`shared` (colocated): bundle b holds vision actor b and text actor b (round-robin when the pools differ
-in size), with the sum of their resources, so a vision actor and a text actor with 0.5 GPU each land on
-the same GPU and take turns on it: the pipeline fills one pool's idle time with the other's work.
-`disjoint`: each pool gets its own placement group, one bundle per actor (`PACK`: on as few nodes as
-fit, other nodes allowed), so no GPU or CPU share is split between the pools.
+The mode (`stages/placement_modes.py`: `shared`, one group whose bundle b holds vision actor b and text actor
+b; `disjoint`, one group per pool) says which bundles to reserve and which bundle each actor takes; `PACK`
+puts them on as few nodes as fit, other nodes allowed.
 
 The groups are reserved before any actor starts, so a cluster too small for the layout fails here with a
 clear message instead of leaving half the ranks waiting in a rendezvous; `check_resources` says so even
@@ -21,12 +19,13 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from dhp.stages.config import Config, ConfigError, StageConfig
+from dhp.stages.placement_modes import PlacementMode, PoolRequest
 from dhp.stages.pools import replicas
 
 
 @dataclass
 class Placement:
-    mode: str
+    mode: PlacementMode
     groups: list[PlacementGroup] = field(default_factory=list)
     vision: list[tuple[PlacementGroup, int]] = field(default_factory=list)  # (group, bundle) per actor
     text: list[tuple[PlacementGroup, int]] = field(default_factory=list)
@@ -42,37 +41,20 @@ def _resources(s: StageConfig) -> dict[str, float]:
     return {"CPU": s.num_cpus_per_actor, "GPU": s.num_gpus_per_actor, **s.resources}
 
 
-def _bundle(parts: list[dict[str, float]]) -> dict[str, float]:
-    total = {k: sum(p.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p})}
-    # Ray refuses an empty bundle; a pool configured with 0 CPUs still needs a token reservation.
-    return {k: v for k, v in total.items() if v > 0} or {"CPU": 0.01}
-
-
 def place_pools(cfg: Config, timeout_s: float = 300) -> Placement:
     """Reserve the pools' resources as `cfg.pipeline.placement` says; raises RuntimeError if they never fit."""
     v, t = cfg.vision, cfg.text
-    placement = Placement(cfg.pipeline.placement)
-    if cfg.pipeline.shared:
-        n = max(v.num_actors, t.num_actors)
-        members: list[list[dict[str, float]]] = [[] for _ in range(n)]
-        for i in range(v.num_actors):
-            members[i % n].append(_resources(v))
-        for j in range(t.num_actors):
-            members[j % n].append(_resources(t))
-        group = placement_group([_bundle(m) for m in members], strategy="PACK")
-        placement.groups = [group]
-        placement.vision = [(group, i % n) for i in range(v.num_actors)]
-        placement.text = [(group, j % n) for j in range(t.num_actors)]
-    else:
-        for stage, s in (("vision", v), ("text", t)):
-            group = placement_group([_bundle([_resources(s)])] * s.num_actors, strategy="PACK")
-            placement.groups.append(group)
-            setattr(placement, stage, [(group, i) for i in range(s.num_actors)])
-    ready, _ = ray.wait([g.ready() for g in placement.groups], num_returns=len(placement.groups), timeout=timeout_s)
-    if len(ready) < len(placement.groups):
+    mode = cfg.pipeline.placement_mode
+    plan = mode.groups(PoolRequest(v.num_actors, _resources(v)), PoolRequest(t.num_actors, _resources(t)))
+    groups = [placement_group(bundles, strategy="PACK") for bundles in plan.groups]
+    placement = Placement(mode, groups)
+    placement.vision = [(groups[g], b) for g, b in plan.vision]
+    placement.text = [(groups[g], b) for g, b in plan.text]
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
+    if len(ready) < len(groups):
         placement.remove()
         raise RuntimeError(
-            f"the Ray cluster could not reserve the pools ({placement.mode} placement: vision "
+            f"the Ray cluster could not reserve the pools ({mode.name} placement: vision "
             f"{v.num_actors} x {_resources(v)}, text {t.num_actors} x {_resources(t)}) within {timeout_s:g} s"
         )
     return placement
@@ -80,7 +62,7 @@ def place_pools(cfg: Config, timeout_s: float = 300) -> Placement:
 
 def describe(placement: Placement, where: dict[str, list[dict]]) -> str:
     """Start-up lines: for each pool, each actor's rank, node, bundle and devices (from `DistributedWorker.where`)."""
-    lines = [f"placement: {placement.mode}"]
+    lines = [f"placement: {placement.mode.name}"]
     for stage in ("vision", "text"):
         for rank, (w, (_, bundle)) in enumerate(zip(where[stage], getattr(placement, stage))):
             gpus = ",".join(map(str, w["gpu_ids"])) or "-"

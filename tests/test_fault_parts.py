@@ -14,7 +14,8 @@ from dhp.stages import watchdog
 from dhp.stages.actor_group import ActorGroup, DistributedWorker
 from dhp.stages.config import ConfigError, load_config
 from dhp.stages.fault_injection import VARIABLE, save_fault
-from dhp.stages.placement import _bundle, _resources
+from dhp.stages.placement import _resources
+from dhp.stages.placement_modes import Disjoint, PoolRequest, Shared, bundle, placement_mode
 from dhp.stages.preemption import Preempted, Preemption
 from dhp.stages.watchdog import StepClock
 
@@ -63,10 +64,24 @@ def test_injected_save_fault_fires_once_on_its_rank_and_step(tmp_path, monkeypat
         save_fault("vision", 1, staging)
 
 
+def test_placement_modes_say_what_to_reserve():
+    v, t = PoolRequest(2, {"CPU": 0.5, "GPU": 0.5}), PoolRequest(3, {"CPU": 0.25, "GPU": 0.5})
+    shared = Shared().groups(v, t)  # one group; bundle b holds vision b and text b, round-robin on the larger pool
+    assert shared.groups == [[{"CPU": 0.75, "GPU": 1.0}, {"CPU": 0.75, "GPU": 1.0}, {"CPU": 0.25, "GPU": 0.5}]]
+    assert shared.vision == [(0, 0), (0, 1)] and shared.text == [(0, 0), (0, 1), (0, 2)]
+    disjoint = Disjoint().groups(v, PoolRequest(1, {"CPU": 0.0}))  # one group per pool, one bundle per actor
+    assert disjoint.groups == [[{"CPU": 0.5, "GPU": 0.5}] * 2, [{"CPU": 0.01}]]  # Ray refuses an empty bundle
+    assert disjoint.vision == [(0, 0), (0, 1)] and disjoint.text == [(1, 0)]
+    assert load_config("tiny").pipeline.shared
+    assert not load_config("tiny", ["pipeline.placement=disjoint"]).pipeline.shared
+    with pytest.raises(ValueError, match="known placements are shared, disjoint"):
+        placement_mode("spread")
+
+
 def test_custom_resources_reach_the_bundles_and_are_checked():
     cfg = load_config("tiny", ["vision.resources={vision_node: 1}", "text.resources={text_node: 0.5}"])
     assert cfg.vision.resources == {"vision_node": 1.0} and cfg.text.resources == {"text_node": 0.5}
-    assert _bundle([_resources(cfg.vision), _resources(cfg.text)]) == {
+    assert bundle([_resources(cfg.vision), _resources(cfg.text)]) == {
         "CPU": 0.5, "text_node": 0.5, "vision_node": 1.0}
     with pytest.raises(ConfigError, match="vision.resources"):
         load_config("tiny", ["vision.resources=3"])

@@ -171,3 +171,18 @@ def test_reshard_positions_identity_epochs_and_counters():
     # Replica 1 already wrapped into epoch 1: epoch 0 continues after replica 0's records (10 = 2 * 5).
     new = reshard_positions([_state(5), _state(1, epoch=1)], 1)
     assert new[0]["epoch"] == 0 and new[0]["cursor"] == 10
+
+def test_training_resume_names_one_choice_object(tmp_path):
+    from dhp.stages.checkpoint_files import Fresh, Given, Newest, commit, resume_from, staging_dir
+
+    run_dir = tmp_path / "run"
+    assert isinstance(resume_from("auto"), Newest) and isinstance(resume_from("none"), Fresh)
+    assert resume_from("auto").point(run_dir) is None  # nothing written yet: a fresh start
+    tmp = staging_dir(run_dir / "checkpoints", 3)
+    (tmp / "w.bin").write_bytes(b"w")
+    ckpt = commit(tmp, keep_last=0)
+    assert resume_from("auto").point(run_dir) == ckpt and resume_from("none").point(run_dir) is None
+    given = resume_from(str(ckpt))
+    assert isinstance(given, Given) and given.point(tmp_path / "another_run") == ckpt
+    with pytest.raises(FileNotFoundError, match="training.resume=.*not a usable checkpoint"):
+        resume_from(str(tmp_path / "nowhere")).point(run_dir)
