@@ -164,7 +164,8 @@ def build_dataset(
 
 
 class BatchLoader:
-    """Ray actor owning one stream of global batches: one per text replica (stages/routing.py)."""
+    """Ray actor owning one stream of global batches: one per text replica (stages/routing.py). Made by
+    `loader_actor`: its `probe` thread answers `position` while the stream's own calls run one at a time."""
 
     def __init__(
         self, paths: list[str], settings: PreprocessSettings, model_config: Any, global_batch_size: int,
@@ -190,6 +191,12 @@ class BatchLoader:
         """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly."""
         return {"epoch": self.epoch, "cursor": self.cursor, "source": self.source, "good": self.good,
                 "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples)}
+
+    @ray.method(concurrency_group="probe")
+    def position(self) -> str:
+        """Where this stream stands, for a stall report: answered from its own thread while a batch is awaited."""
+        last = f", last record {self.source}" if self.source else ", no record read yet"
+        return f"epoch {self.epoch}, {self.cursor} records into it{last}"
 
     def start(self) -> None:
         """Start the stream and wait for its first row: Ray Data's start-up and the preprocessing processes'
@@ -261,3 +268,8 @@ class BatchLoader:
 
     def skip_report(self) -> dict[str, Any]:
         return {"counts": dict(self.skipped), "examples": list(self.skip_examples), "good": self.good}
+
+
+def loader_actor(num_cpus: float = 0.1) -> Any:
+    """`BatchLoader` as a Ray actor class (`.remote(...)` starts one), with its `probe` thread."""
+    return ray.remote(num_cpus=num_cpus, concurrency_groups={"probe": 1})(BatchLoader)

@@ -14,8 +14,12 @@ columns of A and a whole B. A factor that several ranks hold whole gets only a p
 other factor's part differs from rank to rank), so `sum_partial_grads` sums it over those holders before the
 step: A of a column-parallel layer over the whole TP group, B of a row-parallel one likewise, B of a replicated
 KV head over the ranks sharing that head. Each gradient element is counted once in the grad norm (`_dhp_sharded` on the
-lowest holder). Dropout under TP draws a different mask on each rank (a column-parallel layer's replicated
-input): statistically the same, not bit-identical to one process; the parity tests use dropout 0.
+lowest holder).
+
+Dropout under TP draws the one-process mask: the TP ranks of a replica seed and use the global RNG alike (the
+stage build seeds it, a resume restores it), so a column-parallel layer's replicated input gets the same mask on
+every rank, and a row-parallel layer's split input (`ColumnsDropout`) draws the mask of the whole width, as one
+process would, and keeps its own columns. Activation checkpointing restores the global RNG before recomputing.
 """
 
 from __future__ import annotations
@@ -35,6 +39,35 @@ from dhp.stages.config import ConfigError
 def _add_update(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
     x = args[0]
     return output + module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
+
+
+class ColumnsDropout(nn.Module):
+    """Dropout of this rank's columns `cols` of an input whose last dimension (`width` in one process) is split
+    over the TP ranks: the mask is drawn for the whole width, exactly as `F.dropout` draws it in one process
+    (bernoulli_ of an empty tensor, then divided by 1 - p), and sliced, so the ranks' masks are its parts."""
+
+    def __init__(self, p: float, width: int, cols: slice):
+        super().__init__()
+        self.p, self.width, self.cols = p, width, cols
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        noise = torch.empty(*x.shape[:-1], self.width, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
+        return x * noise.div_(1 - self.p)[..., self.cols]
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, width={self.width}, cols={self.cols}"
+
+
+def _dropout(p: float, a_slice: Any, width: int) -> nn.Module:
+    """The dropout in front of A: A's columns are the input's, so a split A (row-parallel base) means a split input."""
+    if not p:
+        return nn.Identity()
+    cols = a_slice[1] if isinstance(a_slice, tuple) and len(a_slice) > 1 else slice(None)
+    if cols == slice(None):
+        return nn.Dropout(p)
+    return ColumnsDropout(p, width, cols)
 
 
 def sum_partial_grads(params: list[nn.Parameter]) -> None:
@@ -112,7 +145,8 @@ def add_lora(model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full
             if len(holders) > 1:
                 distinct = list(dict.fromkeys(parts))
                 sub.weight._dhp_partial = (distinct.index(parts[ranks.model_rank]), len(distinct), ranks.model_group)
-        linear.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        mine_a = slicers[ranks.model_rank](f"{name}.lora_A.weight") if slicers[ranks.model_rank] else None
+        linear.lora_dropout = _dropout(spec.dropout, mine_a, full_shapes[f"{name}.lora_A.weight"][1])
         linear.lora_scaling = spec.alpha / spec.rank
         linear.register_forward_hook(_add_update, prepend=True)
 

@@ -114,6 +114,9 @@ class DataConfig:
     preprocess_workers: int = 1  # Ray Data tasks at a time running decode/resize/patchify/tokenize
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
     shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle
+    # seconds the driver waits for a global batch (or a stream's first row) before the data pipeline counts as
+    # stalled: a fault, like a hung rank (rebuild, resume); 0 = wait forever
+    timeout_s: float = 600.0
     synthetic: SynthConfig = field(default_factory=SynthConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)  # how s3:// paths are reached (never credentials)
     webdataset: WebDatasetConfig = field(default_factory=WebDatasetConfig)  # img2dataset shards -> conversations
@@ -345,6 +348,7 @@ def validate(config: Config) -> None:
         (d.min_pixels <= d.max_pixels, "data.min_pixels must be <= data.max_pixels"),
         (d.max_seq_len <= d.microbatch_tokens, "data.max_seq_len must be <= data.microbatch_tokens"),
         (d.preprocess_workers >= 1, "data.preprocess_workers must be >= 1"),
+        (d.timeout_s >= 0, "data.timeout_s must be >= 0 (0 = no deadline)"),
         (d.webdataset.prompt.count("<image>") == 1,
          f"data.webdataset.prompt must hold <image> exactly once (where the photo goes), got {d.webdataset.prompt!r}"),
         (bool(d.webdataset.caption.strip()), "data.webdataset.caption must name `txt` or a field of the .json member"),

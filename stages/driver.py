@@ -20,7 +20,7 @@ from dhp.stages import run_log
 from dhp.stages.checkpoint_files import Newest, latest_valid, resume_from
 from dhp.stages.config import Config, ConfigError, one_line, save_config
 from dhp.stages.preemption import Preempted, Preemption
-from dhp.stages.watchdog import StepClock, StepHung
+from dhp.stages.watchdog import DataStalled, StepClock, StepHung
 
 
 def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
@@ -163,8 +163,8 @@ def _one_line(e: Exception) -> str:
 
 
 def fault_kind(error: Exception, trainer) -> str | None:
-    """What of the cluster failed, if `error` came from that (a bug is not retried): "a rank hung", "a node
-    died" or "a stage actor died"; None otherwise.
+    """What of the cluster failed, if `error` came from that (a bug is not retried): "a rank hung", "the data
+    pipeline stalled", "a node died" or "a stage actor died"; None otherwise.
 
     A dead actor's own calls raise RayActorError; calls that depended on its outputs, or that waited in a
     collective with it, fail with other errors. So: look for an actor that no longer answers, and for a
@@ -172,6 +172,8 @@ def fault_kind(error: Exception, trainer) -> str | None:
     """
     if isinstance(error, StepHung):
         return "a rank hung"
+    if isinstance(error, DataStalled):
+        return "the data pipeline stalled"
     if trainer is None or not isinstance(error, ray.exceptions.RayError):
         return None
     if _lost_node(trainer):
@@ -229,7 +231,8 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
         tb = stack.enter_context(run_log.TensorBoard(board, first))
         for step in range(first, steps + 1):
             waited = time.perf_counter()  # the stages idle while the driver waits for the next global batch
-            batches, pending = ray.get(pending), (trainer.next_batch() if step < steps else None)
+            batches = trainer.fetch(pending, f"the global batch of step {step}")
+            pending = trainer.next_batch() if step < steps else None
             waited = time.perf_counter() - waited
             for b in batches:  # every skipped record with its source location (file:line) and reason
                 files["quarantine"].writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from transformers import Qwen2_5_VLConfig
 
-from dhp.dataflow.loader import BatchLoader, GlobalBatch, reshard_positions
+from dhp.dataflow.loader import GlobalBatch, loader_actor, reshard_positions
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
@@ -36,7 +36,7 @@ from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
 from dhp.stages.trace import STEP_TAIL, busy_fractions, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
-from dhp.stages.watchdog import StepClock, StepHung, wait_or_hang
+from dhp.stages.watchdog import StepClock, StepHung, wait_for_data, wait_or_hang
 
 SAVE_DEADLINE = 10  # a checkpoint write may take this many step deadlines
 
@@ -84,7 +84,7 @@ class Trainer:
         self.clock.new_attempt()
         self.ledger = CallLedger()  # which call each stage rank is in (for the hang report)
         self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
-        loader_cls = ray.remote(num_cpus=LOADER_CPUS)(BatchLoader)
+        loader_cls = loader_actor(LOADER_CPUS)
         common = dict(
             settings=settings,
             model_config=self.model_config,
@@ -106,12 +106,18 @@ class Trainer:
         # (~5 s on 2 cores, `dhp bench data`) would otherwise be the first step's wait for data. The pools'
         # placement groups are reserved first all the same (their rendezvous needs every rank placed at once),
         # and `check_resources` left CPU for the data work beside them.
-        self.placement = place_pools(cfg)
-        started = [loader.start.remote() for loader in [*self.loaders, *([self.eval_loader] if eval_paths else [])]]
-        self.vision = self._pool("vision", VisionPool, VisionWorker)
-        self.text = self._pool("text", TextPool, TextWorker)
-        ray.get(started)  # a stream that cannot start (no usable sample, a bad tokenizer) fails here, at start
-        self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
+        self.placement = self.vision = self.text = None  # built below; a failed build kills what it started
+        try:
+            self.placement = place_pools(cfg)
+            started = [loader.start.remote() for loader in self._all_loaders()]
+            self.vision = self._pool("vision", VisionPool, VisionWorker)
+            self.text = self._pool("text", TextPool, TextWorker)
+            # A stream that cannot start (no usable sample, a bad tokenizer) fails here, at start; one that hangs too.
+            wait_for_data(started, self._all_loaders(), d.timeout_s, "the data streams' start")
+            self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
+        except BaseException:
+            self.shutdown()
+            raise
         print(describe(self.placement, self.where), flush=True)
         self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
         self.step = 0
@@ -132,8 +138,15 @@ class Trainer:
         return [("vision", self.vision), ("text", self.text)]
 
     def next_batch(self) -> list[ray.ObjectRef]:
-        """Refs of the next global batch: one part per data-parallel replica."""
+        """Refs of the next global batch: one part per data-parallel replica (`fetch` waits for them)."""
         return [loader.next_batch.remote() for loader in self.loaders]
+
+    def fetch(self, refs: list[ray.ObjectRef], what: str) -> list[GlobalBatch]:
+        """The global batch `next_batch` asked for, within `data.timeout_s` (else `DataStalled`)."""
+        return wait_for_data(refs, self.loaders, self.cfg.data.timeout_s, what)
+
+    def _all_loaders(self) -> list[Any]:
+        return [*self.loaders, *([self.eval_loader] if self.eval_loader is not None else [])]
 
     def accumulate(self, batches: list[GlobalBatch]) -> float:
         """Forward + backward of every micro-batch of every text replica; gradients accumulate in the actors.
@@ -247,7 +260,8 @@ class Trainer:
         if self._eval_batches is None:  # the same held-out batches every time, fetched once
             self._eval_batches = []
             for _ in range(self.cfg.training.eval_batches):
-                batch = ray.get(self.eval_loader.next_batch.remote())
+                ref = self.eval_loader.next_batch.remote()
+                batch = wait_for_data([ref], [self.eval_loader], self.cfg.data.timeout_s, "an evaluation batch")[0]
                 if batch is None:
                     break
                 self._eval_batches.append(batch)
@@ -360,8 +374,13 @@ class Trainer:
                                                     for stage in now if saved[stage] != now[stage]), flush=True)
         state = json.loads((ckpt / "trainer_state.json").read_text())
         positions = reshard_positions(state["loaders"], len(self.loaders))
-        ray.get([a.load_state.remote(str(ckpt), saved[stage]) for stage, pool in self.pools() for a in pool.actors]
-                + [loader.restore.remote(s) for loader, s in zip(self.loaders, positions)])
+        ray.get([loader.restore.remote(s) for loader, s in zip(self.loaders, positions)])
+        # Reading is like a checkpoint write (its time grows with the model): the same deadline, so a rank that
+        # stops mid-read is named rather than waited on forever.
+        self.clock.start(scale=SAVE_DEADLINE)
+        self._get([a.load_state.remote(str(ckpt), saved[stage]) for stage, pool in self.pools() for a in pool.actors],
+                  f"restore from {ckpt}")
+        self.clock.stop()
         self.step = state["step"]
         return self.step
 
@@ -395,11 +414,13 @@ class Trainer:
     def shutdown(self) -> None:
         """Kill every actor this trainer started (pools, loaders) and free its placement groups."""
         for pool in (self.vision, self.text):
-            pool.shutdown()
-        for loader in [*self.loaders, *([self.eval_loader] if self.eval_loader else [])]:
+            if pool is not None:  # None: start-up failed before this pool was built
+                pool.shutdown()
+        for loader in self._all_loaders():
             ray.kill(loader, no_restart=True)
         self.ledger.clear()
-        self.placement.remove()
+        if self.placement is not None:
+            self.placement.remove()
 
 
 def _same_base(saved: dict[str, Any], here: dict[str, Any]) -> bool:

@@ -7,6 +7,11 @@ in its own thread (stages/actor_group.py): an actor that computes or waits in a 
 that cannot run does not. The call each silent rank was in is its oldest unfinished call (`CallLedger`).
 The result is a `StepHung` error, which the driver handles like a dead actor: every actor is killed, the
 pools are rebuilt, training resumes from the last checkpoint.
+
+The data side has its own deadline, `data.timeout_s`: a global batch (or a stream's first row) that does not
+arrive in time (a read blocked on storage, a preprocessing worker that stopped) is a `DataStalled`, which
+names each late stream's position (`BatchLoader.position`, answered from its own thread) and is handled the
+same way: rebuild, resume.
 """
 
 from __future__ import annotations
@@ -81,21 +86,24 @@ def wait_or_hang(refs: list[ray.ObjectRef], clock: StepClock, what: str, pools: 
 
 
 @ray.remote(num_cpus=0)
-def _heartbeats(handles: list[Any], timeout_s: float) -> list[bool]:
-    """Which of `handles` answer a heartbeat within `timeout_s`. Sent from this task, not from the driver: Ray
-    submits a caller's calls to an actor in order, so the driver's heartbeat would queue behind its own calls
-    that wait on a hung rank's outputs."""
-    refs = [h.heartbeat.remote() for h in handles]
+def _ask(handles: list[Any], method: str, timeout_s: float) -> list[Any]:
+    """Each of `handles`' answer to `method()` within `timeout_s` (MISSING if none). Sent from this task, not
+    from the driver: Ray submits a caller's calls to an actor in order, so the driver's question would queue
+    behind its own calls that wait on a hung rank's outputs."""
+    refs = [getattr(h, method).remote() for h in handles]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     answered = set(ready)
-    return [ref in answered for ref in refs]
+    return [ray.get(ref) if ref in answered else MISSING for ref in refs]
+
+
+MISSING = "<no answer>"
 
 
 def diagnose(clock: StepClock, what: str, pools: list[tuple[str, Any]], where: dict[str, list[dict]],
              ledger: CallLedger) -> StepHung:
     """Heartbeat every stage actor; those that do not answer within HEARTBEAT_S are the hung ranks."""
     ranks = [(stage, rank, a.handle) for stage, pool in pools for rank, a in enumerate(pool.actors)]
-    answers = ray.get(_heartbeats.remote([h for _, _, h in ranks], HEARTBEAT_S))
+    answers = [a != MISSING for a in ray.get(_ask.remote([h for _, _, h in ranks], "heartbeat", HEARTBEAT_S))]
     in_call = ledger.in_call()
     silent = [(stage, rank, in_call.get((stage, rank), "no call"))
               for (stage, rank, _), answered in zip(ranks, answers) if not answered]
@@ -108,3 +116,25 @@ def diagnose(clock: StepClock, what: str, pools: list[tuple[str, Any]], where: d
         f"{stage} rank {rank} (pid {where[stage][rank]['pid']}, node {where[stage][rank]['node_id'][:8]}) "
         f"stopped answering in {method}" for stage, rank, method in silent)
     return StepHung(f"{head}: {who}", silent)
+
+
+class DataStalled(RuntimeError):
+    """The data pipeline did not deliver within `data.timeout_s`: a fault, like a hung rank (rebuild, resume)."""
+
+
+def wait_for_data(refs: list[ray.ObjectRef], loaders: list[Any], timeout_s: float, what: str) -> list[Any]:
+    """`ray.get(refs)`, where `refs[i]` is a call of `loaders[i]` (a `BatchLoader` actor); if they are not all
+    done within `timeout_s` (0: no deadline), `DataStalled` naming each late stream and where it stands. An
+    error of a stream itself (no usable sample, ...) is raised as it is."""
+    if timeout_s > 0 and refs:
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            which = [i for i, ref in enumerate(refs) if ref in set(late)]
+            where = ray.get(_ask.remote([loaders[i] for i in which], "position", HEARTBEAT_S))
+            streams = "; ".join(f"stream {i}: {w}" for i, w in zip(which, where))
+            raise DataStalled(
+                f"{what}: the data pipeline delivered nothing within data.timeout_s={timeout_s:g} s ({streams}); "
+                f"a read blocked on storage or a stopped preprocessing worker (raise data.timeout_s if the "
+                f"storage is this slow)"
+            )
+    return ray.get(refs)

@@ -7,7 +7,7 @@ import json
 import pytest
 import ray
 
-from dhp.dataflow.loader import BatchLoader
+from dhp.dataflow.loader import loader_actor
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import split_records
 from dhp.models.architectures import architecture_config
@@ -58,7 +58,7 @@ def _drain(loader) -> list:
 
 def _loader(root, name: str, seed=None, budget: int = 400):
     settings = PreprocessSettings(str(root), min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=400)
-    return ray.remote(BatchLoader).options(num_cpus=0.1).remote(
+    return loader_actor().remote(
         [str(root / name)], settings, architecture_config("tiny"), global_batch_size=4,
         microbatch_tokens=budget, seed=seed, repeat=False,
     )

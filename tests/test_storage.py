@@ -21,7 +21,7 @@ import pytest
 import ray
 import torch
 
-from dhp.dataflow.loader import BatchLoader
+from dhp.dataflow.loader import loader_actor
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.storage import filesystem, filesystem_of_all, resolve
 from dhp.dataflow.synth import write_synthetic_dataset
@@ -125,7 +125,7 @@ def dataset(tmp_path_factory, s3_endpoint) -> Path:
 def _loader(annotation: str, image_root: str, storage=None):
     settings = PreprocessSettings(image_root, min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=1024,
                                   storage=storage)
-    return ray.remote(BatchLoader).options(num_cpus=0.1).remote(
+    return loader_actor().remote(
         [annotation], settings, architecture_config("tiny"), global_batch_size=4, microbatch_tokens=600,
         seed=0, repeat=False,
     )
@@ -214,14 +214,14 @@ def test_transient_errors_are_retried_and_fail_without_retries(s3_endpoint, faul
                 assert proxy.failed == requests_failed  # each failed once (HEAD and GET; a stall: GET)
 
 
-def _train_cfg(tmp_path, name: str, train_uri: str, endpoint: str, eval_uri: str = ""):
+def _train_cfg(tmp_path, name: str, train_uri: str, endpoint: str, eval_uri: str = "", *extra: str):
     return load_config("tiny", [
         f"data.train={train_uri}", f"data.eval={eval_uri}", f"data.storage.endpoint_url={endpoint}",
         "data.max_pixels=12544", "training.steps=2", "training.global_batch_size=4",
         "training.eval_every=0", "training.eval_batches=1", "training.warmup_steps=1",
         "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
         "text.parallelism=none", "text.num_actors=1", "text.degree=1",
-        f"output.dir={tmp_path}/runs", f"output.name={name}", "output.save_final_checkpoint=false",
+        f"output.dir={tmp_path}/runs", f"output.name={name}", "output.save_final_checkpoint=false", *extra,
     ])
 
 
@@ -249,6 +249,23 @@ def test_training_from_s3_equals_local_and_keeps_credentials_out(ray_session, s3
         assert not any(s in data for s in secrets), path
     out, err = capfd.readouterr()
     assert not any(s.decode() in out + err for s in secrets)
+
+
+def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(ray_session, s3_endpoint, dataset, tmp_path, capsys):
+    """The annotation object's first GET never answers (the connection hangs 30 s): the stream's start misses
+    `data.timeout_s`, the run reports where the stream stood, rebuilds and trains to the end."""
+    annotation = f"/{BUCKET}/{PREFIX}/train.jsonl"
+    with FlakyProxy(s3_endpoint.url, failures=1, stall_s=30, only={annotation}, methods=("GET",)) as proxy:
+        summary = train(_train_cfg(
+            tmp_path, "stall", f"s3:/{annotation}", proxy.url, "", "data.timeout_s=3", "data.storage.max_attempts=1",
+            "data.storage.request_timeout_s=120", "training.max_restarts=1"))
+        assert proxy.failed == 1
+    (fault,) = summary["restarts"]
+    assert fault["kind"] == "the data pipeline stalled"
+    assert "the data streams' start" in fault["error"] and "data.timeout_s=3 s" in fault["error"]
+    assert "stream 0: epoch 0, 0 records into it, no record read yet" in fault["error"]
+    assert summary["steps"] == 2
+    assert "fault (the data pipeline stalled)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("uri", [f"s3://{BUCKET}/{PREFIX}/nope.jsonl", "s3://no-such-bucket/train.jsonl"])

@@ -16,7 +16,7 @@ import ray
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from dhp.dataflow.loader import BatchLoader
+from dhp.dataflow.loader import loader_actor
 from dhp.dataflow.preprocess import IGNORE_INDEX, Preprocessor, PreprocessSettings, decode_sample
 from dhp.dataflow.sources import WebDataset, expand_braces, expand_paths, record_format
 from dhp.dataflow.tokenizer import load_tokenizer
@@ -161,7 +161,7 @@ def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
 def _loader(paths: list[str], replica: int, num_replicas: int, storage=None):
     settings = PreprocessSettings("", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_seq_len=1024,
                                   storage=storage, records=WebDataset(PROMPT, "txt"))
-    return ray.remote(BatchLoader).options(num_cpus=0.1).remote(
+    return loader_actor().remote(
         paths, settings, architecture_config("tiny"), global_batch_size=8, microbatch_tokens=1024, seed=0,
         repeat=False, replica=replica, num_replicas=num_replicas)
 
