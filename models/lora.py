@@ -16,10 +16,12 @@ step: A of a column-parallel layer over the whole TP group, B of a row-parallel 
 KV head over the ranks sharing that head. Each gradient element is counted once in the grad norm (`_dhp_sharded` on the
 lowest holder).
 
-Dropout under TP draws the one-process mask: the TP ranks of a replica seed and use the global RNG alike (the
-stage build seeds it, a resume restores it), so a column-parallel layer's replicated input gets the same mask on
-every rank, and a row-parallel layer's split input (`ColumnsDropout`) draws the mask of the whole width, as one
-process would, and keeps its own columns. Activation checkpointing restores the global RNG before recomputing.
+Dropout under TP draws the one-process mask. The global RNG is in the same state on every rank of every layout
+when training starts (the stage build seeds it and draws the same amount whatever the layout; the factors are
+made with `skip_init`, so their construction draws nothing; a resume restores it), and every rank draws as one
+process would: a column-parallel layer's replicated input the same mask on every rank, a row-parallel layer's
+split input (`ColumnsDropout`) the mask of the whole width, keeping its own columns. Activation checkpointing
+restores the global RNG before recomputing. `tests/test_lora.py` holds TP 2's gradients to one rank's.
 """
 
 from __future__ import annotations
@@ -136,7 +138,9 @@ def add_lora(model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full
             parts = [repr(s(key) if s else None) for s in slicers]
             mine = slicers[ranks.model_rank](key) if slicers[ranks.model_rank] else None
             local = full if mine is None else full[mine]
-            sub = nn.Linear(local.shape[1], local.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            # skip_init: nn.Linear's own init would draw from the global RNG, by an amount that depends on the layout
+            sub = nn.utils.skip_init(nn.Linear, local.shape[1], local.shape[0], bias=False, device=weight.device,
+                                     dtype=weight.dtype)
             with torch.no_grad():
                 sub.weight.copy_(local)
             setattr(linear, factor, sub)
