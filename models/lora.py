@@ -56,7 +56,8 @@ class ColumnsDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         noise = torch.empty(*x.shape[:-1], self.width, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
-        return x * noise.div_(1 - self.p)[..., self.cols]
+        # a new tensor of this rank's width (not a view): autograd keeps it, and a view would keep the whole width
+        return x * noise[..., self.cols].div(1 - self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, width={self.width}, cols={self.cols}"
