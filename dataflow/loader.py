@@ -98,12 +98,6 @@ def reshard_positions(states: list[dict[str, Any]], n: int) -> list[dict[str, An
     divide by N and n); past a file boundary a few records may be re-read or left out for that epoch.
     Counters are run totals: skips by reason and their examples go to replica 0, `good` is split evenly
     (each replica's stream refuses an epoch with no usable sample by its own count).
-
-    WebDataset shards dealt out between the replicas (`shard_split`): each stream lists the shards it has read
-    whole (`read`, positions in the epoch's order); with those skipped before (`first`, `done`) they are left
-    out of the new deal, and the new replicas deal out the rest, each shard from its start: the samples
-    already trained on of the shards the old streams were in (at most one each) are read again, nothing is
-    left out.
     """
     if n == len(states) or n == 0:  # n == 0: a trainer without training streams has nothing to position
         return list(states)[:n]
@@ -117,22 +111,11 @@ def reshard_positions(states: list[dict[str, Any]], n: int) -> list[dict[str, An
     for s in states:
         skipped.update(s["skipped"])
     examples = [e for s in states for e in s["skip_examples"]][:MAX_SKIP_EXAMPLES]
-    current = [s for s in states if s["epoch"] == epoch]
-
-    def stream(r: int, cursor: int, **shards: Any) -> dict[str, Any]:
-        return {"epoch": epoch, "cursor": cursor, "source": "", "good": good // n + (r < good % n),
-                "skipped": dict(skipped) if r == 0 else {}, "skip_examples": examples if r == 0 else [], **shards}
-
-    first, done = current[0].get("first", 0), set(current[0].get("done", []))
-    if all(s.get("shard_split") for s in current):
-        done = done.union(range(first), *(s["read"] for s in current))
-        first = next(k for k in range(len(done) + 1) if k not in done)
-        dealt = {"shard_split": True, "first": first, "done": sorted(k for k in done if k > first)}
-        return [stream(r, 0, **dealt, read=[], shard=-1) for r in range(n)]
-    if first or done:  # a WebDataset epoch resharded before, now with fewer shards left than replicas (each reads
-        # every one): those few are read again from their start rather than positioned by a guess
-        return [stream(r, 0, shard_split=False, first=first, done=sorted(done), read=[], shard=-1) for r in range(n)]
-    return [stream(r, max(0, -(-(consumed - r) // n))) for r in range(n)]
+    return [
+        {"epoch": epoch, "cursor": max(0, -(-(consumed - r) // n)), "source": "", "good": good // n + (r < good % n),
+         "skipped": dict(skipped) if r == 0 else {}, "skip_examples": examples if r == 0 else []}
+        for r in range(n)
+    ]
 
 
 def small_blocks(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
@@ -151,19 +134,10 @@ def small_blocks(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
     return ray.data.Dataset._from_parent(cut, LogicalPlan(op, cut.context))
 
 
-def _files(paths: list[str], storage: Any) -> tuple[Any, list[str], str]:
-    """(filesystem, its path of each file, the prefix that turns such a path back into the URI: "s3://" or "").
-    A row's `source` names its file by prefix + path."""
-    fs, fs_paths = filesystem_of_all(paths, storage)
-    return fs, fs_paths, f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else ""
-
-
 def build_dataset(
     paths: list[str], settings: PreprocessSettings, model_config: Any, workers: int, num_cpus: float,
-    seed: int | None, replica: int = 0, num_replicas: int = 1, first: int = 0, done: tuple[int, ...] = (),
+    seed: int | None, replica: int = 0, num_replicas: int = 1,
 ) -> ray.data.Dataset:
-    """Replica `replica` of `num_replicas`'s stream of preprocessed rows for the epoch whose shuffle `seed` is;
-    `first`, `done`: WebDataset shards (positions in the epoch's order) read before a resharded resume."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # same seed -> same batches, across runs and resumes
     ctx.enable_progress_bars = False
@@ -174,11 +148,11 @@ def build_dataset(
     # whose CPUs are held by the stage actors.
     # Local files and s3:// objects alike: one pyarrow filesystem, which Ray pickles to the read tasks
     # together with the driver-resolved endpoint, retry policy and credentials (storage.py).
-    fs, fs_paths, prefix = _files(paths, settings.storage)
+    fs, fs_paths = filesystem_of_all(paths, settings.storage)
     records = settings.records or Jsonl()  # JSONL files or WebDataset shards (dataflow/sources.py)
-    mine = records.assign(len(fs_paths), seed, replica, num_replicas, first, done)  # files, and the share of each
-    ds = records.read(fs, [fs_paths[i] for i in mine.files])
-    split_args = {"seed": seed, "replica": mine.replica, "num_replicas": mine.num_replicas, "prefix": prefix,
+    ds = records.read(fs, fs_paths, seed)
+    prefix = f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else ""
+    split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix,
                   **records.split_kwargs(fs)}
     ds = ds.map_batches(split_batch, batch_size=1, fn_kwargs={"split": records.split, **split_args},
                         num_cpus=SPLIT_CPUS)
@@ -199,7 +173,7 @@ class BatchLoader:
         pad_id: int = 151643, repeat: bool = True, replica: int = 0, num_replicas: int = 1, vision_sp: int = 0,
     ):
         self.args = (paths, settings, model_config, workers, num_cpus)
-        self.split = {"replica": replica, "num_replicas": num_replicas}
+        self.shard = {"replica": replica, "num_replicas": num_replicas}
         self.vision_sp = vision_sp  # > 0: sequence-parallel vision, each rank gets only its own patches
         self.global_batch_size = global_batch_size
         self.budget = microbatch_tokens
@@ -208,12 +182,6 @@ class BatchLoader:
         self.cursor = 0  # rows (good or skipped) consumed in this epoch: the data position
         self.source = ""  # the last consumed row's source (file:line, shard:key): the position, for people
         self.skip_to = 0  # after `restore`: rows of the epoch already trained on
-        # WebDataset shards dealt out between replicas (sources.WebDataset.assign), by their position in the epoch's
-        # order: those every stream skips this epoch (read before a resharded resume: the first `first`, and
-        # `done`), those this stream has read whole (`read`) and the one it is in (`shard`). What
-        # `reshard_positions` needs to continue in another number of replicas.
-        self.first, self.done, self.read, self.shard = 0, [], [], -1
-        self.shard_split, self.shard_index = False, {}
         self.ahead: dict[str, Any] | None = None  # the row `start` read, not yet handed out
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
@@ -222,9 +190,7 @@ class BatchLoader:
     def state(self) -> dict[str, Any]:
         """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly."""
         return {"epoch": self.epoch, "cursor": self.cursor, "source": self.source, "good": self.good,
-                "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples),
-                "shard_split": self.shard_split, "first": self.first, "done": list(self.done), "read": list(self.read),
-                "shard": self.shard}
+                "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples)}
 
     @ray.method(concurrency_group="probe")
     def position(self) -> str:
@@ -243,7 +209,6 @@ class BatchLoader:
         """Continue after the batch whose `state()` this is. The epoch's order is deterministic (seeded
         shuffle, order-preserving Ray Data), so the rows before the cursor are read again and dropped."""
         self.epoch, self.skip_to, self.cursor, self.rows = state["epoch"], state["cursor"], 0, None
-        self.first, self.done, self.read, self.shard = state.get("first", 0), list(state.get("done", [])), [], -1
         self.ahead = None
         self.good, self.skipped = state["good"], Counter(state["skipped"])
         self.skip_examples = list(state["skip_examples"])
@@ -255,24 +220,16 @@ class BatchLoader:
         while not self.exhausted:
             if self.rows is None:
                 seed = None if self.seed is None else self.seed + self.epoch
-                self._deal(seed)
-                skip = {"first": self.first, "done": tuple(self.done)}
-                self.rows = iter(build_dataset(*self.args, seed=seed, **self.split, **skip).iter_rows())
+                self.rows = iter(build_dataset(*self.args, seed=seed, **self.shard).iter_rows())
             try:
                 row = next(self.rows)
                 self.cursor += 1
                 self.source = row["source"]
-                if self.shard_split:  # "shard:key", or the shard alone for a shard that could not be read
-                    shard = self.shard_index.get(self.source, self.shard_index.get(self.source.rsplit(":", 1)[0]))
-                    if shard is not None and shard != self.shard:  # rows come shard by shard, in order
-                        self.read += [self.shard] if self.shard >= 0 else []
-                        self.shard = shard
                 if self.cursor <= self.skip_to:
                     continue  # trained on before the resume
                 return row
             except StopIteration:
                 self.rows, self.cursor, self.skip_to = None, 0, 0
-                self.first, self.done, self.read, self.shard = 0, [], [], -1
                 if not self.repeat:
                     self.exhausted = True
                     return None
@@ -280,16 +237,6 @@ class BatchLoader:
                     raise RuntimeError(f"no usable sample in {self.args[0]}; skipped: {dict(self.skipped)}") from None
                 self.epoch += 1
         return None
-
-    def _deal(self, seed: int | None) -> None:
-        """Whether this epoch's shards are dealt out between the replicas, and each shard's epoch-order index."""
-        paths, settings = self.args[0], self.args[1]
-        records = settings.records or Jsonl()
-        mine = records.assign(len(paths), seed, **self.split, first=self.first, done=tuple(self.done))
-        self.shard_split = mine.shard_split
-        if self.shard_split:  # by the name a row's `source` gives its shard (`split_shard`)
-            _, fs_paths, prefix = _files(paths, settings.storage)
-            self.shard_index = {prefix + fs_paths[i]: n for n, i in enumerate(records.order(len(paths), seed))}
 
     def next_batch(self) -> GlobalBatch | None:
         """The next global batch, or None when a non-repeating stream is exhausted."""

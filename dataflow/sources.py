@@ -8,10 +8,7 @@ local folder or the s3:// prefix). `record_format`: the format object the loader
 
     name          "jsonl" | "webdataset"
     missing_ok    a listed file that does not exist is a counted skip (a failed shard) rather than a stop
-    assign(n, seed, replica, num_replicas, first, done)  which of the n files this replica reads, in which
-                  order, and which share of each file's records it keeps (`Assignment`); WebDataset deals the
-                  shards out, leaving out those read before a resharded resume (`first`, `done`)
-    read(fs, paths)  a Ray Data dataset of one row per file, in the given order
+    read(fs, paths, seed)  a Ray Data dataset of one row per file (WebDataset: shards in the epoch's order)
     split, split_kwargs(fs)  the flat_map from a file's row to its records (shuffled, this replica's share)
 """
 
@@ -23,7 +20,7 @@ import os
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from dhp.dataflow.storage import filesystem, is_uri
 from dhp.dataflow.webdataset import split_shard
@@ -134,16 +131,6 @@ def split_batch(batch: dict[str, Any], split: Any, **kwargs: Any) -> dict[str, l
     return {k: [r[k] for r in rows] for k in rows[0]}
 
 
-class Assignment(NamedTuple):
-    """What one data-parallel replica reads in an epoch: `files` (indices into the path list, in reading order),
-    and of each file's records every `num_replicas`-th from `replica` (1 and 0: all of them)."""
-
-    files: list[int]
-    replica: int
-    num_replicas: int
-    shard_split: bool = False  # files are dealt out between the replicas (each reads only its own)
-
-
 @dataclass(frozen=True)
 class Jsonl:
     """LLaVA-style annotation files (JSON array or JSONL), images as files beside them or URIs."""
@@ -151,12 +138,7 @@ class Jsonl:
     name = "jsonl"
     missing_ok = False
 
-    def assign(self, n: int, seed: int | None, replica: int = 0, num_replicas: int = 1, first: int = 0,
-               done: tuple[int, ...] = ()) -> Assignment:
-        """Every file, in order; each replica keeps every N-th record of each (`split_records`)."""
-        return Assignment(list(range(n)), replica, num_replicas)
-
-    def read(self, fs: Any, paths: list[str]) -> Any:
+    def read(self, fs: Any, paths: list[str], seed: int | None) -> Any:
         import ray
 
         return ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, num_cpus=0.05)
@@ -177,29 +159,16 @@ class WebDataset:
     name = "webdataset"
     missing_ok = True
 
-    def order(self, n: int, seed: int | None) -> list[int]:
-        """The epoch's shard order: the n shards permuted with its seed (file order without one)."""
-        order = list(range(n))
-        if seed is not None:
-            random.Random(seed).shuffle(order)
-        return order
+    def read(self, fs: Any, paths: list[str], seed: int | None) -> Any:
+        """The shards in the epoch's order: permuted with its seed (then each shard's samples, `split_shard`)."""
+        import random
 
-    def assign(self, n: int, seed: int | None, replica: int = 0, num_replicas: int = 1, first: int = 0,
-               done: tuple[int, ...] = ()) -> Assignment:
-        """The epoch's shards are dealt out: replica r of N reads every N-th from r, all of its samples, so each
-        sample is read once in all. Left out: the first `first` shards of the order and those at the positions
-        `done` (read whole before a resume into another number of replicas, `loader.reshard_positions`). With
-        fewer shards than replicas, every replica reads every shard and keeps every N-th sample of each."""
-        skip = set(done)
-        order = [f for k, f in enumerate(self.order(n, seed)) if k >= first and k not in skip]
-        if len(order) >= num_replicas:
-            return Assignment(order[replica::num_replicas], 0, 1, shard_split=True)
-        return Assignment(order, replica, num_replicas)
-
-    def read(self, fs: Any, paths: list[str]) -> Any:
         import ray
 
-        return ray.data.from_items([{"path": p} for p in paths])
+        order = list(paths)
+        if seed is not None:
+            random.Random(seed).shuffle(order)
+        return ray.data.from_items([{"path": p} for p in order])
 
     split = staticmethod(split_shard)
 

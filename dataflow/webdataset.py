@@ -19,10 +19,9 @@ which the preprocessor turns into a counted skip (quarantine.jsonl, summary.json
     special_token_caption  a caption holding a chat-template token (`<|im_end|>`, ...) or `<image>`
 
 (A corrupt or truncated JPEG is found where the image is decoded: `corrupt_image`, as for JSONL.)
-Shuffle and data-parallel split: the shards' order is permuted with the epoch's seed and dealt out, replica r
-of N reading shards r, r + N, ... whole (`sources.WebDataset.assign`: each byte is fetched once); each shard's
-samples are shuffled here. With fewer shards than replicas, every replica reads every shard and keeps every
-N-th sample from r, as `split_records` does for a JSONL file.
+Shuffle and data-parallel split: the shards' order is permuted with the epoch's seed (`sources.WebDataset`),
+then, as `split_records` does for a JSONL file, each shard's samples, and replica r of N keeps every N-th
+from r (every replica reads every shard: N x the bytes of one reader, which a shard split would save).
 """
 
 from __future__ import annotations

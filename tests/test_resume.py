@@ -172,59 +172,6 @@ def test_reshard_positions_identity_epochs_and_counters():
     new = reshard_positions([_state(5), _state(1, epoch=1)], 1)
     assert new[0]["epoch"] == 0 and new[0]["cursor"] == 10
 
-
-def _stream(sizes: list[int], assignment) -> list[tuple[int, int]]:
-    """(shard, sample) of what a replica reads under `assignment` (sources.Assignment) of shards of `sizes`."""
-    return [(f, i) for f in assignment.files for i in range(sizes[f])[assignment.replica :: assignment.num_replicas]]
-
-
-def _dealt_states(sizes, seed, cursors, skip) -> tuple[list[dict], set]:
-    """The `BatchLoader.state()`s of len(cursors) replicas dealt the shards of `sizes`, each `cursor` samples in,
-    and the samples they consumed."""
-    from dhp.dataflow.sources import WebDataset
-
-    wds, states, consumed = WebDataset("<image>", "txt"), [], set()
-    order = wds.order(len(sizes), seed)
-    for r, c in enumerate(cursors):
-        mine = wds.assign(len(sizes), seed, r, len(cursors), **skip)
-        read = _stream(sizes, mine)[:c]
-        consumed |= set(read)
-        passed = [order.index(f) for f in dict.fromkeys(f for f, _ in read)]  # what BatchLoader tracks by source
-        states.append({**_state(c), "shard_split": mine.shard_split, "first": skip["first"],
-                       "done": list(skip["done"]), "read": passed[:-1], "shard": passed[-1] if passed else -1})
-    return states, consumed
-
-
-@pytest.mark.parametrize(("sizes", "cursors", "n"), [
-    ([5, 3, 4, 6, 2, 5, 4, 3], [7, 4], 3), ([5, 3, 4, 6, 2, 5, 4, 3], [9, 0, 6], 1),
-    ([5, 3, 4, 6, 2, 5, 4, 3], [12, 12], 4), ([4, 0, 4, 4], [3, 2], 3), ([6, 6, 6], [6, 1, 0], 2),
-    ([4, 4, 4], [8, 0], 3),  # then fewer shards left than replicas: each reads every one, a stride of its samples
-])
-def test_reshard_of_dealt_out_shards_leaves_nothing_out(sizes, cursors, n):
-    """WebDataset shards dealt out between N replicas (each reads its own, whole): after a resume into n
-    replicas, and again into another count, every sample of the epoch is read, and only the shards the old replicas were
-    in (one each) are read again."""
-    from dhp.dataflow.sources import WebDataset
-
-    wds, seed, everything = WebDataset("<image>", "txt"), 11, {(f, i) for f, k in enumerate(sizes) for i in range(k)}
-    skip, consumed = {"first": 0, "done": ()}, set()
-    for replicas, next_n in ((cursors, n), (None, 2 if n != 2 else 1)):  # (another count: the same resumes as is)
-        if replicas is None:  # the resumed replicas read half their streams, then resume into 2
-            replicas = [len(_stream(sizes, wds.assign(len(sizes), seed, r, n, **skip))) // 2 for r in range(n)]
-        states, read = _dealt_states(sizes, seed, replicas, skip)
-        assert states[0]["shard_split"] == (len(sizes) - skip["first"] - len(skip["done"]) >= len(replicas))
-        consumed |= read
-        new = reshard_positions(states, next_n)
-        assert len(new) == next_n and all(s["cursor"] == 0 for s in new)
-        assert all((s["first"], s["done"]) == (new[0]["first"], new[0]["done"]) for s in new)
-        skip = {"first": new[0]["first"], "done": tuple(new[0]["done"])}
-        after = [_stream(sizes, wds.assign(len(sizes), seed, r, next_n, **skip)) for r in range(next_n)]
-        flat = [x for a in after for x in a]
-        assert len(flat) == len(set(flat))  # disjoint new streams
-        assert consumed | set(flat) == everything  # nothing left out
-        assert len({f for f, _ in read & set(flat)}) <= len(replicas)  # re-read: the shards they were in
-
-
 def test_training_resume_names_one_choice_object(tmp_path):
     from dhp.stages.checkpoint_files import Fresh, Given, Newest, commit, resume_from, staging_dir
 

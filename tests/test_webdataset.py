@@ -158,56 +158,12 @@ def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
         load_config("tiny", ["data.webdataset.prompt=Describe it."])
 
 
-def _loader(paths: list[str], replica: int, num_replicas: int, storage=None, batch: int = 8):
+def _loader(paths: list[str], replica: int, num_replicas: int, storage=None):
     settings = PreprocessSettings("", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_seq_len=1024,
                                   storage=storage, records=WebDataset(PROMPT, "txt"))
     return loader_actor().remote(
-        paths, settings, architecture_config("tiny"), global_batch_size=batch, microbatch_tokens=1024, seed=0,
+        paths, settings, architecture_config("tiny"), global_batch_size=8, microbatch_tokens=1024, seed=0,
         repeat=False, replica=replica, num_replicas=num_replicas)
-
-
-def _cut(shard: Path, folder: Path, shards: int, per: int) -> list[str]:
-    """`shards` shards of `per` samples each, cut from the real one (members kept together, as img2dataset)."""
-    samples = list(_members(shard).items())
-    paths = []
-    for s in range(shards):
-        path = folder / f"{s:05d}.tar"
-        with tarfile.open(path, "w") as tar:
-            for key, members in samples[s * per:(s + 1) * per]:
-                for ext, data in members.items():
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        paths.append(str(path))
-    return paths
-
-
-def test_replicas_read_their_own_shards_and_a_resharded_resume_leaves_nothing_out(ray_session, shard, tmp_path):
-    """Four shards of 3 samples, two replicas: each reads only its own shards (each byte fetched once), and
-    after a batch of 4 each (one shard read whole, one begun) a resume into one replica reads the shards not
-    yet read whole, from their start: every sample is trained, only the begun shards' first samples twice."""
-    from dhp.dataflow.loader import reshard_positions
-
-    paths = _cut(shard, tmp_path, 4, 3)
-    loaders = [_loader(paths, r, 2, batch=4) for r in range(2)]
-    firsts = ray.get([loader.next_batch.remote() for loader in loaders])
-    trained = [{source for _, source in b.ids} for b in firsts]
-    shards = [{source.rsplit(":", 1)[0] for source in t} for t in trained]
-    assert all(len(t) == 4 and len(s) == 2 for t, s in zip(trained, shards)) and not shards[0] & shards[1]
-    states = [b.state for b in firsts]
-    assert all(s["shard_split"] and len(s["read"]) == 1 and s["shard"] >= 0 for s in states)
-    (state,) = reshard_positions(states, 1)
-    assert state["cursor"] == 0 and len(state["done"]) + state["first"] == 2  # the two shards read whole
-
-    resumed = _loader(paths, 0, 1, batch=4)
-    ray.get(resumed.restore.remote(state))
-    rest = []
-    while (batch := ray.get(resumed.next_batch.remote())) is not None:
-        rest += [source for _, source in batch.ids]
-    everything = {f"{p}:{key}" for p in paths for key in _members(Path(p))}
-    assert len(rest) == len(set(rest)) == 6 and trained[0] | trained[1] | set(rest) == everything
-    again = {a.rsplit(":", 1)[0] for a in (trained[0] | trained[1]) & set(rest)}  # one begun shard per replica
-    assert len((trained[0] | trained[1]) & set(rest)) == 2 and all(len(again & s) == 1 for s in shards)
 
 
 def test_replicas_stream_disjoint_samples_and_count_a_missing_shard(ray_session, shard, tmp_path):
