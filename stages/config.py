@@ -114,8 +114,8 @@ class DataConfig:
     preprocess_workers: int = 1  # Ray Data tasks at a time running decode/resize/patchify/tokenize
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
     shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle
-    # seconds the driver waits for a global batch (or a stream's first row) before the data pipeline counts as
-    # stalled: a fault, like a hung rank (rebuild, resume); 0 = wait forever
+    # a late global batch (first row, eval batch) whose streams read nothing for 2 x this many seconds means the data
+    # pipeline stalled: a fault, like a hung rank (rebuild, resume); 0 = wait forever
     timeout_s: float = 600.0
     synthetic: SynthConfig = field(default_factory=SynthConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)  # how s3:// paths are reached (never credentials)

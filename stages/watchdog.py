@@ -123,18 +123,25 @@ class DataStalled(RuntimeError):
 
 
 def wait_for_data(refs: list[ray.ObjectRef], loaders: list[Any], timeout_s: float, what: str) -> list[Any]:
-    """`ray.get(refs)`, where `refs[i]` is a call of `loaders[i]` (a `BatchLoader` actor); if they are not all
-    done within `timeout_s` (0: no deadline), `DataStalled` naming each late stream and where it stands. An
+    """`ray.get(refs)`, where `refs[i]` is a call of `loaders[i]` (a `BatchLoader` actor). A stream may be slow (a
+    resume re-reads its epoch up to the cursor) but must move: every `timeout_s` (0: no deadline) the late
+    streams are asked where they stand, and if none moved since the last time, `DataStalled` names them. An
     error of a stream itself (no usable sample, ...) is raised as it is."""
-    if timeout_s > 0 and refs:
-        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if late:
-            which = [i for i, ref in enumerate(refs) if ref in set(late)]
-            where = ray.get(_ask.remote([loaders[i] for i in which], "position", HEARTBEAT_S))
+    if timeout_s <= 0 or not refs:
+        return ray.get(refs)
+    before = None
+    while True:
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if not late:
+            return ray.get(refs)
+        ray.get(ready)  # a stream that failed on its own raises its own error, not a stall
+        which = [i for i, ref in enumerate(refs) if ref in set(late)]
+        where = ray.get(_ask.remote([loaders[i] for i in which], "position", HEARTBEAT_S))
+        if where == before:
             streams = "; ".join(f"stream {i}: {w}" for i, w in zip(which, where))
             raise DataStalled(
-                f"{what}: the data pipeline delivered nothing within data.timeout_s={timeout_s:g} s ({streams}); "
+                f"{what}: the data pipeline read nothing for 2 x data.timeout_s={timeout_s:g} s ({streams}); "
                 f"a read blocked on storage or a stopped preprocessing worker (raise data.timeout_s if the "
                 f"storage is this slow)"
             )
-    return ray.get(refs)
+        before = where

@@ -253,7 +253,8 @@ def test_training_from_s3_equals_local_and_keeps_credentials_out(ray_session, s3
 
 def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(ray_session, s3_endpoint, dataset, tmp_path, capsys):
     """The annotation object's first GET never answers (the connection hangs 90 s): the stream's start misses
-    `data.timeout_s` (20 s: a healthy cold start on a busy 2-core machine takes well under that), the run reports
+    `data.timeout_s` twice without reading a record (20 s each: a healthy cold start on a busy 2-core machine
+    takes well under that), the run reports
     where the stream stood, rebuilds and trains to the end."""
     annotation = f"/{BUCKET}/{PREFIX}/train.jsonl"
     with FlakyProxy(s3_endpoint.url, failures=1, stall_s=90, only={annotation}, methods=("GET",)) as proxy:
