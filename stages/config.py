@@ -150,6 +150,11 @@ class TrainingConfig:
     rebuild_timeout_s: float = 300.0  # after a fault: how long to wait for the cluster to offer the pools' resources
     resume: str = "auto"  # auto: continue from the newest valid checkpoint of RUN_DIR if any; none; or a path
 
+    @property
+    def stops_on_checkpoint_error(self) -> bool:
+        """The one reader of `on_checkpoint_error` (the driver asks this)."""
+        return self.on_checkpoint_error == "stop"
+
 
 @dataclass
 class PipelineConfig:

@@ -293,12 +293,12 @@ def _save(trainer, root: Path, batches: list, t: Any) -> Path | None:
         kept = f"{previous.name} is intact (verified)" if previous else "there is no earlier checkpoint"
         cluster_fault = fault_kind(e, trainer)
         then = ("resuming from it after the rebuild" if cluster_fault else
-                "stopping (training.on_checkpoint_error=stop)" if t.on_checkpoint_error == "stop" else
+                "stopping (training.on_checkpoint_error=stop)" if t.stops_on_checkpoint_error else
                 "training continues, the next checkpoint is tried at its interval")
         print(f"checkpoint of step {trainer.step} failed ({_one_line(e)}); {kept}; {then}", flush=True)
         if cluster_fault:
             raise  # the caller rebuilds the pools and resumes from `previous`
-        if t.on_checkpoint_error == "stop":
+        if t.stops_on_checkpoint_error:
             raise TrainingFailed(f"the checkpoint of step {trainer.step} could not be written ({_one_line(e)}) and "
                                  f"training.on_checkpoint_error=stop") from None
         return None

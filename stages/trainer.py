@@ -113,7 +113,7 @@ class Trainer:
             self.vision = self._pool("vision", VisionPool, VisionWorker)
             self.text = self._pool("text", TextPool, TextWorker)
             # A stream that cannot start (no usable sample, a bad tokenizer) fails here, at start; one that hangs too.
-            wait_for_data(started, self._all_loaders(), d.timeout_s, "the data streams' start")
+            self.fetch(started, "the data streams' start", self._all_loaders())
             self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
         except BaseException:
             self.shutdown()
@@ -141,9 +141,10 @@ class Trainer:
         """Refs of the next global batch: one part per data-parallel replica (`fetch` waits for them)."""
         return [loader.next_batch.remote() for loader in self.loaders]
 
-    def fetch(self, refs: list[ray.ObjectRef], what: str) -> list[GlobalBatch]:
-        """The global batch `next_batch` asked for, within `data.timeout_s` (else `DataStalled`)."""
-        return wait_for_data(refs, self.loaders, self.cfg.data.timeout_s, what)
+    def fetch(self, refs: list[ray.ObjectRef], what: str, loaders: list[Any] | None = None) -> list[Any]:
+        """What `loaders` (default: the training streams) were asked for, e.g. the global batch `next_batch` asked
+        for, while they keep reading (`data.timeout_s`, else `DataStalled`)."""
+        return wait_for_data(refs, self.loaders if loaders is None else loaders, self.cfg.data.timeout_s, what)
 
     def _all_loaders(self) -> list[Any]:
         return [*self.loaders, *([self.eval_loader] if self.eval_loader is not None else [])]
@@ -260,8 +261,7 @@ class Trainer:
         if self._eval_batches is None:  # the same held-out batches every time, fetched once
             self._eval_batches = []
             for _ in range(self.cfg.training.eval_batches):
-                ref = self.eval_loader.next_batch.remote()
-                batch = wait_for_data([ref], [self.eval_loader], self.cfg.data.timeout_s, "an evaluation batch")[0]
+                (batch,) = self.fetch([self.eval_loader.next_batch.remote()], "an evaluation batch", [self.eval_loader])
                 if batch is None:
                     break
                 self._eval_batches.append(batch)

@@ -8,10 +8,10 @@ that cannot run does not. The call each silent rank was in is its oldest unfinis
 The result is a `StepHung` error, which the driver handles like a dead actor: every actor is killed, the
 pools are rebuilt, training resumes from the last checkpoint.
 
-The data side has its own deadline, `data.timeout_s`: a global batch (or a stream's first row) that does not
-arrive in time (a read blocked on storage, a preprocessing worker that stopped) is a `DataStalled`, which
-names each late stream's position (`BatchLoader.position`, answered from its own thread) and is handled the
-same way: rebuild, resume.
+The data side has its own deadline, `data.timeout_s`, on progress: a late global batch (first row, evaluation
+batch) whose streams read no record for two such periods (a read blocked on storage, a preprocessing worker
+that stopped) is a `DataStalled`, which names each late stream's position (`BatchLoader.position`, answered
+from its own thread) and is handled the same way: rebuild, resume.
 """
 
 from __future__ import annotations

@@ -97,9 +97,10 @@ def test_degree_checks_name_what_works():
 
 def test_no_layout_name_tests_outside_the_registry():
     """Issue 11's count: workers, pools, trainer and scripts ask the layout object, never compare its name; the
-    same for the placement (stages/placement_modes.py) and the resume choice (checkpoint_files.ResumeFrom)."""
+    same for the placement (stages/placement_modes.py), the resume choice (checkpoint_files.ResumeFrom) and the
+    checkpoint-error policy (TrainingConfig.stops_on_checkpoint_error)."""
     pattern = re.compile(r"parallelism\s*(==|!=|in\b|not in\b)|\blayout\s*(==|!=)\s*['\"]|\.zero3\b(?!\.)"
-                         r"|\b(placement|resume)\s*(==|!=|in\b|not in\b)")
+                         r"|\b(placement|resume|on_checkpoint_error)\s*(==|!=|in\b|not in\b)")
     allowed = {ROOT / "stages/config.py"}
     hits = []
     for folder in ("stages", "scripts", "models", "dataflow"):
