@@ -43,10 +43,26 @@ def _add_update(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.T
     return output + module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
 
 
+class _KeptMask(torch.autograd.Function):
+    """x * mask / (1 - p), keeping for backward only the bool mask (1 byte per element, as CUDA's fused dropout),
+    not the scaled mask in x's dtype that `x * factor` would keep. The same arithmetic as `F.dropout`'s."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        ctx.p = p
+        return x * mask.to(x.dtype).div_(1 - p)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (mask,) = ctx.saved_tensors
+        return grad * mask.to(grad.dtype).div_(1 - ctx.p), None, None
+
+
 class ColumnsDropout(nn.Module):
     """Dropout of this rank's columns `cols` of an input whose last dimension (`width` in one process) is split
     over the TP ranks: the mask is drawn for the whole width, exactly as `F.dropout` draws it in one process
-    (bernoulli_ of an empty tensor, then divided by 1 - p), and sliced, so the ranks' masks are its parts."""
+    (bernoulli_ of an empty tensor of the input's dtype), and sliced, so the ranks' masks are its parts."""
 
     def __init__(self, p: float, width: int, cols: slice):
         super().__init__()
@@ -56,8 +72,8 @@ class ColumnsDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         noise = torch.empty(*x.shape[:-1], self.width, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
-        # a new tensor of this rank's width (not a view): autograd keeps it, and a view would keep the whole width
-        return x * noise[..., self.cols].div(1 - self.p)
+        # this rank's columns as a new bool tensor: a view would keep the whole width alive
+        return _KeptMask.apply(x, noise[..., self.cols].bool(), self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, width={self.width}, cols={self.cols}"

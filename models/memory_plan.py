@@ -178,14 +178,16 @@ def frozen_layer_bytes(h: int, i: int, n: int, kv: int, tp: int, b: int, lora: A
     MLP norm's, o's is the attention output SDPA keeps anyway) and keep A's output, r wide (B's gradient).
     With `text.lora.dropout` > 0 each factor's input is its own dropout output, kept with its mask:
     `mask_bytes` per element (CUDA's fused dropout keeps a bool mask, 1; on a CPU the mask is a tensor of the
-    input's dtype, measured)."""
+    input's dtype, measured), and 1 for the split input of a row-parallel layer under TP (`lora.ColumnsDropout`
+    keeps a bool mask on any device)."""
     kept = 2 * (h + 1) * 4 + b * (2 * h + 3 * i) / tp + 4 * n / tp + 2 * b * kv
     if lora is not None:
         targets = set(target_names(lora))
         kept += b * lora.rank * len(targets)
         if lora.dropout > 0:
             width = {"o_proj": h / tp, "down_proj": i / tp}  # row-parallel: their input is split
-            kept += sum((b + mask_bytes) * width.get(t, h) for t in targets)
+            mask = {t: 1 if tp > 1 and t in width else mask_bytes for t in targets}
+            kept += sum((b + mask[t]) * width.get(t, h) for t in targets)
         else:
             kept += b * h * (bool(targets & {"q_proj", "k_proj", "v_proj"}) + bool(targets & {"gate_proj", "up_proj"}))
             kept += b * i / tp * ("down_proj" in targets)

@@ -183,3 +183,24 @@ def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, ray_sessio
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-5, f"gradient of {worst} off by {errors[worst]:.2e}"
     assert min(rel_err(plain[n], t) for n, t in one.items()) > 1e-2  # every factor's gradient sees its mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_columns_dropout_is_one_process_dropout_sliced_and_keeps_a_bool_mask(dtype):
+    """A rank's `ColumnsDropout` of columns 2:5 of an 8-wide input: output and input gradient equal to one
+    process's `nn.Dropout` of the whole width, sliced, exactly; what autograd keeps of it is a bool mask of
+    the rank's width (the memory plan counts 1 byte per element)."""
+    from dhp.models.lora import ColumnsDropout
+
+    x = torch.randn(3, 8, dtype=dtype, requires_grad=True)
+    torch.manual_seed(7)
+    whole = torch.nn.Dropout(0.3)(x)
+    whole.backward(torch.ones_like(whole))
+    part = x.detach()[:, 2:5].clone().requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        torch.manual_seed(7)
+        mine = ColumnsDropout(0.3, 8, slice(2, 5))(part)
+    mine.backward(torch.ones_like(mine))
+    assert torch.equal(mine, whole[:, 2:5]) and torch.equal(part.grad, x.grad[:, 2:5])
+    assert [(t.dtype, tuple(t.shape)) for t in kept] == [(torch.bool, (3, 3))]
