@@ -87,26 +87,35 @@ def wait_or_hang(refs: list[ray.ObjectRef], clock: StepClock, what: str, pools: 
 
 @ray.remote(num_cpus=0)
 def _ask(handles: list[Any], method: str, timeout_s: float) -> list[Any]:
-    """Each of `handles`' answer to `method()` within `timeout_s` (MISSING if none). Sent from this task, not
-    from the driver: Ray submits a caller's calls to an actor in order, so the driver's question would queue
-    behind its own calls that wait on a hung rank's outputs."""
+    """Each of `handles`' answer to `method()` within `timeout_s` (MISSING if none, GONE if the call failed: a
+    dead actor, whose error must not take the whole report with it). Sent from this task, not from the driver:
+    Ray submits a caller's calls to an actor in order, so the driver's question would queue behind its own
+    calls that wait on a hung rank's outputs."""
     refs = [getattr(h, method).remote() for h in handles]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     answered = set(ready)
-    return [ray.get(ref) if ref in answered else MISSING for ref in refs]
+
+    def answer(ref: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(ref) if ref in answered else MISSING
+        except ray.exceptions.RayError:
+            return GONE
+
+    return [answer(ref) for ref in refs]
 
 
 MISSING = "<no answer>"
+GONE = "<gone: its actor died>"
 
 
 def diagnose(clock: StepClock, what: str, pools: list[tuple[str, Any]], where: dict[str, list[dict]],
              ledger: CallLedger) -> StepHung:
     """Heartbeat every stage actor; those that do not answer within HEARTBEAT_S are the hung ranks."""
     ranks = [(stage, rank, a.handle) for stage, pool in pools for rank, a in enumerate(pool.actors)]
-    answers = [a != MISSING for a in ray.get(_ask.remote([h for _, _, h in ranks], "heartbeat", HEARTBEAT_S))]
+    answers = ray.get(_ask.remote([h for _, _, h in ranks], "heartbeat", HEARTBEAT_S))
     in_call = ledger.in_call()
-    silent = [(stage, rank, in_call.get((stage, rank), "no call"))
-              for (stage, rank, _), answered in zip(ranks, answers) if not answered]
+    silent = [(stage, rank, in_call.get((stage, rank), "no call"), a)
+              for (stage, rank, _), a in zip(ranks, answers) if a in (MISSING, GONE)]
     head = f"{what} did not finish within training.step_timeout_s={clock.timeout_s():g} s"
     if not silent:
         calls = ", ".join(f"{s} rank {r} in {m}" for (s, r), m in sorted(in_call.items())) or "none"
@@ -114,8 +123,8 @@ def diagnose(clock: StepClock, what: str, pools: list[tuple[str, Any]], where: d
                         f"unfinished calls: {calls}", [])
     who = "; ".join(
         f"{stage} rank {rank} (pid {where[stage][rank]['pid']}, node {where[stage][rank]['node_id'][:8]}) "
-        f"stopped answering in {method}" for stage, rank, method in silent)
-    return StepHung(f"{head}: {who}", silent)
+        f"{'died' if a == GONE else 'stopped answering'} in {method}" for stage, rank, method, a in silent)
+    return StepHung(f"{head}: {who}", [(stage, rank, method) for stage, rank, method, _ in silent])
 
 
 class DataStalled(RuntimeError):
@@ -123,10 +132,10 @@ class DataStalled(RuntimeError):
 
 
 def wait_for_data(refs: list[ray.ObjectRef], loaders: list[Any], timeout_s: float, what: str) -> list[Any]:
-    """`ray.get(refs)`, where `refs[i]` is a call of `loaders[i]` (a `BatchLoader` actor). A stream may be slow (a
-    resume re-reads its epoch up to the cursor) but must move: every `timeout_s` (0: no deadline) the late
-    streams are asked where they stand, and if none moved since the last time, `DataStalled` names them. An
-    error of a stream itself (no usable sample, ...) is raised as it is."""
+    """`ray.get(refs)`, where `refs[i]` is a call of `loaders[i]` (a `BatchLoader` actor). A stream may be slow (slow
+    storage, a large annotation file read whole before its first record) but must move: every `timeout_s` (0: no
+    deadline) the late streams are asked where they stand, and if none moved since the last time, `DataStalled`
+    names them. An error of a stream itself (no usable sample, ...) is raised as it is."""
     if timeout_s <= 0 or not refs:
         return ray.get(refs)
     before = None

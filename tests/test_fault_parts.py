@@ -122,3 +122,29 @@ def test_rank_dying_at_start_is_started_again_once(ray_session, tmp_path, capsys
             ActorGroup("vision", _DiesAtStart, 2, **args)
     attempts = {1: 2, 2: 2, -1: 1}[deaths]  # a constructor that raises is a bug, not an accident: no retry
     assert len(marker.read_text().splitlines()) == 2 * attempts
+
+
+class _Rank:
+    def __init__(self, answer_after_s: float = 0.0):
+        self.answer_after_s = answer_after_s
+
+    def heartbeat(self) -> str:
+        import time
+
+        time.sleep(self.answer_after_s)
+        return "ok"
+
+
+def test_asking_ranks_names_the_silent_and_the_dead_without_losing_the_answers(ray_session):
+    """`_ask` (the hang report's and the stall report's question): one rank answers, one is too slow, one's actor
+    is dead. The dead one's error is its answer (GONE), not an exception that loses the others'."""
+    ray = ray_session
+    cls = ray.remote(num_cpus=0.01)(_Rank)
+    ok, slow, dead = cls.remote(), cls.remote(30), cls.remote()
+    ray.get([ok.heartbeat.remote(), dead.heartbeat.remote()])
+    ray.kill(dead)
+    try:
+        answers = ray.get(watchdog._ask.remote([ok, slow, dead], "heartbeat", 3))
+        assert answers == ["ok", watchdog.MISSING, watchdog.GONE]
+    finally:
+        ray.kill(slow), ray.kill(ok)
