@@ -335,9 +335,37 @@ def advice(cfg: Any, result: dict[str, Any], model_config: Any) -> list[str]:
         if _can_double(cfg, model_config, stage):
             s = getattr(cfg, stage)
             out.append(f"{stage}.degree={2 * s.degree} with {stage}.num_actors={2 * s.num_actors} (more GPUs)")
+    out += _fine_tuning_advice(cfg, result, model_config)
     out.append(f"a smaller data.microbatch_tokens than {cfg.data.microbatch_tokens} (or data.max_pixels)")
     if result["shared"]:
         out.append("pipeline.placement=disjoint with whole GPUs per pool")
+    return out
+
+
+def _fine_tuning_advice(cfg: Any, result: dict[str, Any], model_config: Any) -> list[str]:
+    """Training less (models/fine_tuning.py), with what the plan says it would take per device: LoRA on the
+    language model (no gradients or AdamW state for its base), the vision merger only. Only choices this layout
+    can run (`check_layout`)."""
+    import copy
+
+    from dhp.stages.config import ConfigError
+    from dhp.stages.pools import check_layout  # the layouts' own checks, which live with the pools
+
+    out = []
+    gpu = None if result["device"] is None else result["device"] / GIB
+    for stage, choice in (("text", "lora"), ("vision", "merger")):
+        if getattr(cfg, stage).train != "all":
+            continue
+        other = copy.deepcopy(cfg)
+        getattr(other, stage).train = choice
+        try:
+            check_layout(other, model_config)
+        except (ConfigError, ValueError):
+            continue
+        less = plan(other, model_config, gpu)["per_device"]
+        if less < result["per_device"]:
+            out.append(f"{stage}.train={choice} (fine-tuning: {less / GIB:.1f} GiB per device instead of "
+                       f"{result['per_device'] / GIB:.1f})")
     return out
 
 

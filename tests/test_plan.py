@@ -4,6 +4,7 @@ and the plan's model-state bytes are what the actors really hold."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -40,6 +41,9 @@ def test_a_layout_that_does_not_fit_is_refused_before_anything_starts(tmp_path, 
     assert main(["train", "--config", "qwen2_5_vl_32b", *over]) == 2
     err = capsys.readouterr().err
     assert "does not fit its GPUs" in err and "activation_checkpointing=full" in err and "model.precision=bf16" in err
+    lora = re.search(r"text\.train=lora \(fine-tuning: ([\d.]+) GiB per device instead of ([\d.]+)\)", err)
+    assert lora and float(lora.group(1)) < float(lora.group(2)), err  # the plan's own figure for LoRA
+    assert "vision.train=merger (fine-tuning" in err
     assert not (tmp_path / "runs").exists()
     main(["train", "--config", "qwen2_5_vl_32b", *over, "training.skip_memory_check=true"])
     assert "does not fit" not in capsys.readouterr().err  # past the check (it stops later: no data here)
