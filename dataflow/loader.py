@@ -1,8 +1,9 @@
 """Ray Data ingestion: annotation files -> preprocessed samples -> micro-batches held in the object store.
 
-Reading and preprocessing run in Ray Data (one row per file -> flat_map into records -> map with a
+Reading and preprocessing run in Ray Data (one row per file this stream reads -> its records -> map with a
 `Preprocessor` built once per worker process, `data.preprocess_workers` tasks at a time); the files are
-JSONL annotation files or WebDataset shards (`dataflow/sources.py` decides, `dataflow/webdataset.py` splits a shard). A
+JSONL annotation files or WebDataset shards (`dataflow/sources.py` decides, `dataflow/webdataset.py` splits a shard),
+and which of them a stream reads, and from where, is `dataflow/positions.py`'s. A
 `BatchLoader` actor drives the stream, packs each global batch into token-budget micro-batches and
 `ray.put`s the vision part and the text part separately, so the driver receives only object references
 and scalar metadata (invariant 3): the vision pool is handed the vision refs, the text pool the text refs.
@@ -26,13 +27,13 @@ import torch
 from ray.data._internal.logical.interfaces import LogicalPlan
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
+from dhp.dataflow.positions import MAX_SKIP_EXAMPLES, Read, reads, resumed
 from dhp.dataflow.preprocess import PreprocessSettings, decode_sample, preprocess_row
 from dhp.dataflow.sources import Jsonl, split_batch
 from dhp.dataflow.storage import filesystem_of_all, scheme_of
 
 ROWS_PER_TASK = 16  # records per preprocessing task (small_blocks): 4 and 64 measured slower here
 SPLIT_CPUS = 0.05  # Ray CPU asked by the file -> records split (and the cutting fused into it): mostly I/O
-MAX_SKIP_EXAMPLES = 50  # examples in the run summary; every skipped record goes to RUN_DIR/quarantine.jsonl
 
 
 @dataclass
@@ -81,43 +82,6 @@ def split_for_ranks(
     return [{"pixel_values": plan.shard(vision["pixel_values"], r), "image_grid_thw": grid} for r in range(sp)]
 
 
-def reshard_positions(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
-    """The `BatchLoader.state()`s of `n` replicas that continue where the `len(states)` = N replicas stopped
-    (a resume with another number of data-parallel replicas). n == N: `states` themselves, unchanged.
-
-    Replica r of N reads the epoch's shuffled records r, r + N, r + 2N, ... (`split_records`), so cursor c_r
-    means it consumed the records r + N*k, k < c_r. The consumed prefix of the epoch ends at
-    G = min_r (r + N * c_r): with equal cursors (no record skipped as bad, so every replica took the same
-    number) that is N * c, exact. Otherwise records past G that some replica already consumed are read
-    again (at most (N - 1) x (largest - smallest cursor) of them) rather than left out. New replica r' of n
-    has then consumed its records below G: cursor ceil((G - r') / n).
-
-    Epochs: a replica already in a later epoch than others counts as having consumed the whole earlier
-    one; all new replicas continue the earliest epoch from G. With several annotation files the stride is
-    per file, so G is exact within the first file (and wherever the record counts of the files before it
-    divide by N and n); past a file boundary a few records may be re-read or left out for that epoch.
-    Counters are run totals: skips by reason and their examples go to replica 0, `good` is split evenly
-    (each replica's stream refuses an epoch with no usable sample by its own count).
-    """
-    if n == len(states) or n == 0:  # n == 0: a trainer without training streams has nothing to position
-        return list(states)[:n]
-    if not states or n < 0:
-        raise ValueError(f"cannot reshard {len(states)} data positions into {n}")
-    epoch = min(s["epoch"] for s in states)
-    big = len(states)
-    consumed = min(r + big * s["cursor"] for r, s in enumerate(states) if s["epoch"] == epoch)
-    good = sum(s["good"] for s in states)
-    skipped: Counter[str] = Counter()
-    for s in states:
-        skipped.update(s["skipped"])
-    examples = [e for s in states for e in s["skip_examples"]][:MAX_SKIP_EXAMPLES]
-    return [
-        {"epoch": epoch, "cursor": max(0, -(-(consumed - r) // n)), "source": "", "good": good // n + (r < good % n),
-         "skipped": dict(skipped) if r == 0 else {}, "skip_examples": examples if r == 0 else []}
-        for r in range(n)
-    ]
-
-
 def small_blocks(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
     """Cut `ds`'s blocks into blocks of about `rows` rows, streaming and order kept (Ray Data's streaming
     repartition), fused into the split before it.
@@ -136,8 +100,10 @@ def small_blocks(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
 
 def build_dataset(
     paths: list[str], settings: PreprocessSettings, model_config: Any, workers: int, num_cpus: float,
-    seed: int | None, replica: int = 0, num_replicas: int = 1,
+    seed: int | None, reads: list[Read] | None = None,
 ) -> ray.data.Dataset:
+    """The preprocessed rows of `reads` (`positions.Read`s of the epoch whose shuffle `seed` is; None: every file,
+    whole), in order."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # same seed -> same batches, across runs and resumes
     ctx.enable_progress_bars = False
@@ -150,9 +116,10 @@ def build_dataset(
     # together with the driver-resolved endpoint, retry policy and credentials (storage.py).
     fs, fs_paths = filesystem_of_all(paths, settings.storage)
     records = settings.records or Jsonl()  # JSONL files or WebDataset shards (dataflow/sources.py)
-    ds = records.read(fs, fs_paths, seed)
-    prefix = f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else ""
-    split_args = {"seed": seed, "replica": replica, "num_replicas": num_replicas, "prefix": prefix,
+    order = records.order(len(fs_paths), seed)
+    reads = [Read(k) for k in range(len(fs_paths))] if reads is None else reads
+    ds = ray.data.from_items([r.item(fs_paths[order[r.part]]) for r in reads])
+    split_args = {"seed": seed, "prefix": f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else "",
                   **records.split_kwargs(fs)}
     ds = ds.map_batches(split_batch, batch_size=1, fn_kwargs={"split": records.split, **split_args},
                         num_cpus=SPLIT_CPUS)
@@ -173,24 +140,32 @@ class BatchLoader:
         pad_id: int = 151643, repeat: bool = True, replica: int = 0, num_replicas: int = 1, vision_sp: int = 0,
     ):
         self.args = (paths, settings, model_config, workers, num_cpus)
-        self.shard = {"replica": replica, "num_replicas": num_replicas}
+        self.records = settings.records or Jsonl()
+        self.stream = (replica, num_replicas)  # this stream of how many: what it reads (dataflow/positions.py)
         self.vision_sp = vision_sp  # > 0: sequence-parallel vision, each rank gets only its own patches
         self.global_batch_size = global_batch_size
         self.budget = microbatch_tokens
         self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
         self.epoch, self.rows, self.exhausted = 0, None, False
-        self.cursor = 0  # rows (good or skipped) consumed in this epoch: the data position
-        self.source = ""  # the last consumed row's source (file:line, shard:key): the position, for people
-        self.skip_to = 0  # after `restore`: rows of the epoch already trained on
+        # The data position (dataflow/positions.py): in the epoch's part (file) `part`, `taken` of this stream's
+        # rows of it consumed; `plans`: epoch -> the parts read before a resume into another number of streams.
+        self.part, self.taken, self.plans = -1, 0, {}
+        self.cursor = 0  # rows (good or skipped) consumed in this epoch, and the last one's source (file:line,
+        self.source = ""  # shard:key): the position, for people
         self.ahead: dict[str, Any] | None = None  # the row `start` read, not yet handed out
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
+        # Files read through whole epochs without a usable sample: all of them is a stop (`_end_epoch`).
+        self.epoch_good, self.epoch_files, self.dry = 0, set(), set()
 
     def state(self) -> dict[str, Any]:
-        """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly."""
+        """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly, in this or
+        another number of streams (`positions.reshard`)."""
         return {"epoch": self.epoch, "cursor": self.cursor, "source": self.source, "good": self.good,
-                "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples)}
+                "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples),
+                "parts": len(self.args[0]), "deals": self.records.deals, "part": self.part, "taken": self.taken,
+                "plans": {str(e): p for e, p in self.plans.items() if e >= self.epoch}}
 
     @ray.method(concurrency_group="probe")
     def position(self) -> str:
@@ -206,12 +181,36 @@ class BatchLoader:
             self.ahead = self._next_row()
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue after the batch whose `state()` this is. The epoch's order is deterministic (seeded
-        shuffle, order-preserving Ray Data), so the rows before the cursor are read again and dropped."""
-        self.epoch, self.skip_to, self.cursor, self.rows = state["epoch"], state["cursor"], 0, None
-        self.ahead = None
+        """Continue after the batch whose `state()` this is: the parts behind its position are not read again,
+        and of the one it is in only the rows after it (`positions.resumed`)."""
+        self.epoch, self.cursor, self.source = state["epoch"], state["cursor"], state["source"]
+        self.part, self.taken = state["part"], state["taken"]
+        self.plans = {int(e): p for e, p in state["plans"].items()}
+        self.rows, self.ahead = None, None
         self.good, self.skipped = state["good"], Counter(state["skipped"])
         self.skip_examples = list(state["skip_examples"])
+
+    def _epoch_rows(self) -> Any:
+        """This stream's rows of the epoch, from its position on."""
+        seed = None if self.seed is None else self.seed + self.epoch
+        paths = self.args[0]
+        mine = resumed(reads(len(paths), self.plans.get(self.epoch), *self.stream, self.records.deals),
+                       self.part, self.taken)
+        order = self.records.order(len(paths), seed)
+        self.epoch_files = {order[r.part] for r in mine}
+        return iter(build_dataset(*self.args, seed=seed, reads=mine).iter_rows() if mine else ())
+
+    def _end_epoch(self) -> None:
+        self.rows, self.cursor, self.part, self.taken = None, 0, -1, 0
+        self.plans.pop(self.epoch, None)
+        self.dry = set() if self.epoch_good else self.dry | self.epoch_files
+        self.epoch_good = 0
+        if not self.repeat:
+            self.exhausted = True
+        elif len(self.dry) == len(self.args[0]):  # (a dealt stream's epoch is its share: it goes on to the next)
+            raise RuntimeError(f"no usable sample in {self.args[0]}; skipped: {dict(self.skipped)}")
+        else:
+            self.epoch += 1
 
     def _next_row(self) -> dict[str, Any] | None:
         if self.ahead is not None:
@@ -219,23 +218,18 @@ class BatchLoader:
             return row
         while not self.exhausted:
             if self.rows is None:
-                seed = None if self.seed is None else self.seed + self.epoch
-                self.rows = iter(build_dataset(*self.args, seed=seed, **self.shard).iter_rows())
+                self.rows = self._epoch_rows()
             try:
                 row = next(self.rows)
-                self.cursor += 1
-                self.source = row["source"]
-                if self.cursor <= self.skip_to:
-                    continue  # trained on before the resume
-                return row
             except StopIteration:
-                self.rows, self.cursor, self.skip_to = None, 0, 0
-                if not self.repeat:
-                    self.exhausted = True
-                    return None
-                if self.good == 0:
-                    raise RuntimeError(f"no usable sample in {self.args[0]}; skipped: {dict(self.skipped)}") from None
-                self.epoch += 1
+                self._end_epoch()
+                continue
+            self.cursor += 1
+            self.source = row["source"]
+            if int(row["part"]) != self.part:
+                self.part, self.taken = int(row["part"]), 0
+            self.taken += 1
+            return row
         return None
 
     def next_batch(self) -> GlobalBatch | None:
@@ -253,6 +247,7 @@ class BatchLoader:
                     self.skip_examples.append(bad[-1])
                 continue
             self.good += 1
+            self.epoch_good += 1
             samples.append(decode_sample(row["sample"]))
             ids.append((self.epoch, row["source"]))
         if not samples:

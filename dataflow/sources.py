@@ -8,8 +8,9 @@ local folder or the s3:// prefix). `record_format`: the format object the loader
 
     name          "jsonl" | "webdataset"
     missing_ok    a listed file that does not exist is a counted skip (a failed shard) rather than a stop
-    read(fs, paths, seed)  a Ray Data dataset of one row per file (WebDataset: shards in the epoch's order)
-    split, split_kwargs(fs)  the flat_map from a file's row to its records (shuffled, this replica's share)
+    deals         the files may be dealt out whole between data-parallel streams (`positions.reads`)
+    order(n, seed)  the epoch's reading order of the n files (indices; WebDataset: permuted with the seed)
+    split, split_kwargs(fs)  the map from one `positions.Read` of a file to its records (shuffled, the read's rows)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from dhp.dataflow.positions import own_rows
 from dhp.dataflow.storage import filesystem, is_uri
 from dhp.dataflow.webdataset import split_shard
 from dhp.stages.config import ConfigError
@@ -92,19 +94,18 @@ def _split_top(spec: str) -> list[str]:
     return [s.strip() for s in [*items, cur] if s.strip()]
 
 
-def split_records(
-    row: dict[str, Any], seed: int | None, replica: int = 0, num_replicas: int = 1, prefix: str = ""
-) -> list[dict]:
-    """One annotation file (JSONL or a JSON array) -> one row per record, its JSON kept as text.
+def split_records(row: dict[str, Any], fs: Any, seed: int | None, prefix: str = "") -> list[dict]:
+    """One annotation file (JSONL or a JSON array), a `positions.Read` row -> its records, one row each, JSON as text.
 
-    Records stay text until the preprocessor parses them, so one bad line is one counted skip rather
-    than a failed read. With a seed, the records of the file are permuted (per-epoch shuffle); then
-    data-parallel replica r keeps every num_replicas-th record starting at r: disjoint streams.
-    `prefix` ("s3://") turns the filesystem's path back into the URI the user wrote, for `source`.
+    Records stay text until the preprocessor parses them, so one bad line is one counted skip rather than a
+    failed read. With a seed, the file's records are permuted (per-epoch shuffle); then the read keeps its rows
+    (data-parallel stream r of N: every N-th from r, disjoint streams). `prefix` ("s3://") turns the filesystem's
+    path back into the URI the user wrote, for `source`.
     """
-    path, text = prefix + row["path"], row["bytes"].decode("utf-8", errors="replace")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
+    with fs.open_input_stream(row["path"]) as f:
+        text = f.read().decode("utf-8", errors="replace")
+    path = prefix + row["path"]
+    if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
             rows = [{"source": f"{path}[{i}]", "record": json.dumps(r)} for i, r in enumerate(items)]
@@ -113,10 +114,7 @@ def split_records(
     else:
         lines = text.splitlines()
         rows = [{"source": f"{path}:{i + 1}", "record": line} for i, line in enumerate(lines) if line.strip()]
-    if seed is not None:
-        random.Random(seed).shuffle(rows)
-    return rows[replica::num_replicas]
-
+    return own_rows(rows, row, seed)
 
 
 def split_batch(batch: dict[str, Any], split: Any, **kwargs: Any) -> dict[str, list]:
@@ -133,42 +131,39 @@ def split_batch(batch: dict[str, Any], split: Any, **kwargs: Any) -> dict[str, l
 
 @dataclass(frozen=True)
 class Jsonl:
-    """LLaVA-style annotation files (JSON array or JSONL), images as files beside them or URIs."""
+    """LLaVA-style annotation files (JSON array or JSONL), images as files beside them or URIs. Every stream reads
+    every file, each its stride of the records: a file is one unit of the shuffle, and few files is the usual."""
 
     name = "jsonl"
     missing_ok = False
+    deals = False
 
-    def read(self, fs: Any, paths: list[str], seed: int | None) -> Any:
-        import ray
-
-        return ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, num_cpus=0.05)
+    def order(self, n: int, seed: int | None) -> list[int]:
+        return list(range(n))
 
     split = staticmethod(split_records)
 
     def split_kwargs(self, fs: Any) -> dict[str, Any]:
-        return {}
+        return {"fs": fs}
 
 
 @dataclass(frozen=True)
 class WebDataset:
-    """img2dataset / webdataset tar shards (dataflow/webdataset.py); a shard opens inside the split, so a
-    missing one is a counted skip there."""
+    """img2dataset / webdataset tar shards (dataflow/webdataset.py), dealt out whole between the data-parallel
+    streams when there are enough; a shard opens inside the split, so a missing one is a counted skip there."""
 
     prompt: str
     caption: str
     name = "webdataset"
     missing_ok = True
+    deals = True
 
-    def read(self, fs: Any, paths: list[str], seed: int | None) -> Any:
-        """The shards in the epoch's order: permuted with its seed (then each shard's samples, `split_shard`)."""
-        import random
-
-        import ray
-
-        order = list(paths)
+    def order(self, n: int, seed: int | None) -> list[int]:
+        """The epoch's shard order: the n shards permuted with its seed (file order without one)."""
+        order = list(range(n))
         if seed is not None:
             random.Random(seed).shuffle(order)
-        return ray.data.from_items([{"path": p} for p in order])
+        return order
 
     split = staticmethod(split_shard)
 

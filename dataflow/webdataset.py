@@ -19,18 +19,20 @@ which the preprocessor turns into a counted skip (quarantine.jsonl, summary.json
     special_token_caption  a caption holding a chat-template token (`<|im_end|>`, ...) or `<image>`
 
 (A corrupt or truncated JPEG is found where the image is decoded: `corrupt_image`, as for JSONL.)
-Shuffle and data-parallel split: the shards' order is permuted with the epoch's seed (`sources.WebDataset`),
-then, as `split_records` does for a JSONL file, each shard's samples, and replica r of N keeps every N-th
-from r (every replica reads every shard: N x the bytes of one reader, which a shard split would save).
+Shuffle and data-parallel split: the shards' order is permuted with the epoch's seed (`sources.WebDataset`), each
+shard's samples with it too (`positions.own_rows`). Data-parallel streams are dealt whole shards (each byte is
+fetched once in all) when there are at least 2 per stream, else each keeps every N-th sample of every shard
+(`positions.reads`).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
 import tarfile
 from typing import Any
+
+from dhp.dataflow.positions import own_rows
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 SPECIAL_TOKEN = re.compile(r"<\|[^|<>]+\|>|<image>")
@@ -119,10 +121,7 @@ def shard_rows(fs: Any, path: str, source: str, prompt: str, caption_field: str)
     return rows
 
 
-def split_shard(row: dict[str, Any], fs: Any, prompt: str, caption: str, seed: int | None, replica: int = 0,
-                num_replicas: int = 1, prefix: str = "") -> list[dict[str, Any]]:
-    """Ray Data flat_map: one `{"path": ...}` row (a shard, as `fs` names it) -> this replica's sample rows."""
-    rows = shard_rows(fs, row["path"], prefix + row["path"], prompt, caption)
-    if seed is not None:
-        random.Random(seed).shuffle(rows)
-    return rows[replica::num_replicas]
+def split_shard(row: dict[str, Any], fs: Any, prompt: str, caption: str, seed: int | None,
+                prefix: str = "") -> list[dict[str, Any]]:
+    """Ray Data map: one `positions.Read` row of a shard (`path` as `fs` names it) -> the read's sample rows."""
+    return own_rows(shard_rows(fs, row["path"], prefix + row["path"], prompt, caption), row, seed)

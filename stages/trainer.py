@@ -17,7 +17,8 @@ from typing import Any
 import ray
 from transformers import Qwen2_5_VLConfig
 
-from dhp.dataflow.loader import GlobalBatch, loader_actor, reshard_positions
+from dhp.dataflow.loader import GlobalBatch, loader_actor
+from dhp.dataflow.positions import reshard
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
@@ -66,6 +67,7 @@ class Trainer:
         each step its deadline (stages/watchdog.py; kept by the driver across restarts); `wait_s`: how long to
         wait for the cluster to offer the pools' resources (a rebuild after a fault)."""
         self.cfg = cfg
+        self.train_files = len(train_paths or [])  # what the data positions of a checkpoint count in
         self.model_config = model_config or model_config_of(cfg)
         check_layout(cfg, self.model_config)
         self.fine_tuning = FineTuning(cfg)  # what trains (checked by check_layout)
@@ -346,7 +348,7 @@ class Trainer:
         continue after it. Another layout (degree, replicas, pool sizes, parallelism) is resharded on
         load: each rank reads from the writers' files only the parts of its own weights and AdamW moments
         (StageWorker.load_state, models/reshard.py), and the data position is carried over to this run's
-        number of streams (`reshard_positions`)."""
+        number of streams (`positions.reshard`)."""
         problem = self._model_mismatch(ckpt, self.model_config)
         if problem:
             raise ConfigError(f"checkpoint {ckpt} is of another model ({problem}): it can only be resumed by a run "
@@ -373,7 +375,9 @@ class Trainer:
             print("resume: resharding " + ", ".join(f"{stage} {what(**saved[stage])} -> {what(**now[stage])}"
                                                     for stage in now if saved[stage] != now[stage]), flush=True)
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        positions = reshard_positions(state["loaders"], len(self.loaders))
+        if self.loaders:
+            self._check_positions(ckpt, state["loaders"], self.train_files)
+        positions = reshard(state["loaders"], len(self.loaders))
         ray.get([loader.restore.remote(s) for loader, s in zip(self.loaders, positions)])
         # Reading is like a checkpoint write (its time grows with the model): the same deadline, so a rank that
         # stops mid-read is named rather than waited on forever.
@@ -383,6 +387,19 @@ class Trainer:
         self.clock.stop()
         self.step = state["step"]
         return self.step
+
+    @staticmethod
+    def _check_positions(ckpt: Path, states: list[dict[str, Any]], files: int) -> None:
+        """A clear stop for data positions this run (reading `files` files) cannot continue, before any stream is
+        touched."""
+        if any("part" not in s for s in states):
+            raise ConfigError(
+                f"checkpoint {ckpt} stores its data position in an older form (a record count, before positions by "
+                f"file): export its weights (dhp export-hf --checkpoint {ckpt} --out DIR) and start a new run from "
+                f"model.path=DIR")
+        if any(s["parts"] != files for s in states):
+            raise ConfigError(f"checkpoint {ckpt}'s data streams read {states[0]['parts']} files, data.train now "
+                              f"lists {files}: resume with the same data.train")
 
     @staticmethod
     def _model_mismatch(ckpt: Path, model_config: Qwen2_5_VLConfig) -> str | None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.fs as pafs
 import pytest
 import ray
 
 from dhp.dataflow.loader import loader_actor
+from dhp.dataflow.positions import Read
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import split_records
 from dhp.models.architectures import architecture_config
@@ -110,15 +112,20 @@ def test_shuffle_is_seeded(annotations, ray_session):
     assert a == b and sorted(a) == sorted(c) and a != c
 
 
-def test_replicas_get_disjoint_records_covering_the_file():
-    text = "".join(json.dumps(_record(i)) + "\n" for i in range(11))
-    row = {"path": "/d/train.jsonl", "bytes": text.encode()}
-    parts = [split_records(row, seed=5, replica=r, num_replicas=3) for r in range(3)]
+def test_replicas_get_disjoint_records_covering_the_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(_record(i)) + "\n" for i in range(11)))
+    local = pafs.LocalFileSystem()
+
+    def split(seed: int, r: int, first: int = 0) -> list[dict]:
+        return split_records(Read(4, first, r, 3).item(str(path)), local, seed)
+
+    parts = [split(5, r) for r in range(3)]
     sources = [[p["source"] for p in part] for part in parts]
-    assert sorted(sum(sources, [])) == sorted(f"/d/train.jsonl:{i + 1}" for i in range(11))
-    assert all(len(s) in (3, 4) for s in sources)
-    assert split_records(row, seed=5, replica=1, num_replicas=3) == parts[1]  # deterministic per epoch seed
-    assert split_records(row, seed=6, replica=1, num_replicas=3) != parts[1]
+    assert sorted(sum(sources, [])) == sorted(f"{path}:{i + 1}" for i in range(11))
+    assert all(len(s) in (3, 4) for s in sources) and all(p["part"] == 4 for p in parts[0])
+    assert split(5, 1) == parts[1] and split(6, 1) != parts[1]  # deterministic per epoch seed
+    assert split(5, 1, first=3) == parts[1][1:]  # a resumed read: rows 3 + 1, 3 + 1 + 3, ...
 
 
 def test_small_blocks_cuts_one_file_block_without_a_free_cpu(ray_session):

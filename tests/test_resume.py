@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dhp.dataflow.loader import reshard_positions
 from dhp.stages.checkpoint_files import MANIFEST, checkpoints, latest_valid
 from dhp.stages.config import load_config
 from dhp.stages.driver import train
@@ -125,6 +124,18 @@ def test_resume_into_another_layout(ray_session, tmp_path, capsys, a, b):
         torch.testing.assert_close(y[name], x[name], atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_data_positions_of_an_older_dhp_or_other_files_are_refused(tmp_path):
+    from dhp.stages.config import ConfigError
+    from dhp.stages.trainer import Trainer
+
+    now = {"epoch": 0, "parts": 3, "part": 1, "taken": 4, "plans": {}}
+    Trainer._check_positions(tmp_path, [now, now], 3)
+    with pytest.raises(ConfigError, match="older form.*dhp export-hf"):
+        Trainer._check_positions(tmp_path, [{"epoch": 0, "cursor": 8}], 3)
+    with pytest.raises(ConfigError, match="read 3 files, data.train now lists 4"):
+        Trainer._check_positions(tmp_path, [now], 4)
+
+
 def test_another_model_is_refused(tmp_path):
     from dhp.models.architectures import architecture_config
     from dhp.stages.trainer import Trainer
@@ -135,42 +146,6 @@ def test_another_model_is_refused(tmp_path):
     config.text_config.num_hidden_layers = 3
     assert Trainer._model_mismatch(tmp_path, config) == "text_config.num_hidden_layers 2 vs 3"
 
-
-def _consumed(states: list[dict], rows: int) -> list[set[int]]:
-    """Per replica, the records of one shuffled file of `rows` records its cursor has consumed."""
-    return [set(range(rows)[r :: len(states)][: s["cursor"]]) for r, s in enumerate(states)]
-
-
-def _state(cursor: int, epoch: int = 0, good: int = 0, skipped: dict | None = None, examples=()) -> dict:
-    return {"epoch": epoch, "cursor": cursor, "good": good, "skipped": skipped or {}, "skip_examples": list(examples)}
-
-
-@pytest.mark.parametrize(("cursors", "n"), [([4, 4], 1), ([4, 4], 4), ([4, 4], 3), ([3, 3, 3], 2), ([5, 3], 1),
-                                            ([5, 3], 3), ([2, 4, 3], 2), ([0, 0], 3), ([6], 4)])
-def test_reshard_positions_continue_from_the_consumed_prefix(cursors, n):
-    """New replicas have consumed exactly a prefix of the epoch's order; it is everything the old ones
-    consumed when their cursors are equal, and otherwise never more than they consumed (nothing left out)."""
-    rows = 40
-    old = [_state(c) for c in cursors]
-    new = reshard_positions(old, n)
-    assert len(new) == n
-    before, after = set().union(*_consumed(old, rows)), set().union(*_consumed(new, rows))
-    assert after == set(range(len(after)))  # a prefix, each record on one replica
-    assert after <= before and len(before - after) <= (len(cursors) - 1) * (max(cursors) - min(cursors))
-
-
-def test_reshard_positions_identity_epochs_and_counters():
-    old = [_state(4, good=3, skipped={"bad_json": 1}, examples=["x"]), _state(4, good=4, skipped={"bad_json": 2,
-                                                                                                  "no_image": 1})]
-    assert reshard_positions(old, 2) == old and all(a is b for a, b in zip(reshard_positions(old, 2), old))
-    assert reshard_positions(old, 0) == []  # no training streams (nothing to position)
-    new = reshard_positions(old, 3)
-    assert [s["good"] for s in new] == [3, 2, 2]  # split: each stream's epoch-end check counts its own
-    assert new[0]["skipped"] == {"bad_json": 3, "no_image": 1} and new[0]["skip_examples"] == ["x"]
-    assert all(s["skipped"] == {} and s["skip_examples"] == [] for s in new[1:])
-    # Replica 1 already wrapped into epoch 1: epoch 0 continues after replica 0's records (10 = 2 * 5).
-    new = reshard_positions([_state(5), _state(1, epoch=1)], 1)
-    assert new[0]["epoch"] == 0 and new[0]["cursor"] == 10
 
 def test_training_resume_names_one_choice_object(tmp_path):
     from dhp.stages.checkpoint_files import Fresh, Given, Newest, commit, resume_from, staging_dir

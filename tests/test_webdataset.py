@@ -17,6 +17,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from dhp.dataflow.loader import loader_actor
+from dhp.dataflow.positions import Read, reshard
 from dhp.dataflow.preprocess import IGNORE_INDEX, Preprocessor, PreprocessSettings, decode_sample
 from dhp.dataflow.sources import WebDataset, expand_braces, expand_paths, record_format
 from dhp.dataflow.tokenizer import load_tokenizer
@@ -129,14 +130,15 @@ def test_bad_members_are_counted_skips_naming_shard_and_key(shard, tmp_path):
 
 
 def test_shards_are_shuffled_and_split_disjointly(shard):
-    row = {"path": str(shard)}
-    parts = [split_shard(row, LOCAL, PROMPT, "txt", seed=3, replica=r, num_replicas=3) for r in range(3)]
+    parts = [split_shard(Read(0, 0, r, 3).item(str(shard)), LOCAL, PROMPT, "txt", seed=3) for r in range(3)]
     sources = [r["source"] for p in parts for r in p]
     assert len(sources) == len(set(sources)) == 32
-    assert split_shard(row, LOCAL, PROMPT, "txt", seed=3, replica=1, num_replicas=3) == parts[1]
-    unshuffled = [r["source"] for r in split_shard(row, LOCAL, PROMPT, "txt", seed=None)]
+    assert split_shard(Read(0, 0, 1, 3).item(str(shard)), LOCAL, PROMPT, "txt", seed=3) == parts[1]
+    whole = split_shard(Read(0).item(str(shard)), LOCAL, PROMPT, "txt", seed=3)  # a dealt shard: every sample
+    assert whole[1::3] == parts[1] and split_shard(Read(0, 5).item(str(shard)), LOCAL, PROMPT, "txt", 3) == whole[5:]
+    unshuffled = [r["source"] for r in split_shard({"path": str(shard)}, LOCAL, PROMPT, "txt", seed=None)]
     in_tar_order = [f"{shard}:{key}" for key in _members(shard)]
-    assert unshuffled == in_tar_order != [r["source"] for r in split_shard(row, LOCAL, PROMPT, "txt", seed=3)]
+    assert unshuffled == in_tar_order != [r["source"] for r in whole]
 
 
 def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
@@ -158,12 +160,53 @@ def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
         load_config("tiny", ["data.webdataset.prompt=Describe it."])
 
 
-def _loader(paths: list[str], replica: int, num_replicas: int, storage=None):
+def _loader(paths: list[str], replica: int, num_replicas: int, storage=None, batch: int = 8, repeat: bool = False):
     settings = PreprocessSettings("", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_seq_len=1024,
                                   storage=storage, records=WebDataset(PROMPT, "txt"))
     return loader_actor().remote(
-        paths, settings, architecture_config("tiny"), global_batch_size=8, microbatch_tokens=1024, seed=0,
-        repeat=False, replica=replica, num_replicas=num_replicas)
+        paths, settings, architecture_config("tiny"), global_batch_size=batch, microbatch_tokens=1024, seed=0,
+        repeat=repeat, replica=replica, num_replicas=num_replicas)
+
+
+def _cut(shard: Path, folder: Path, shards: int, per: int) -> list[str]:
+    """`shards` shards of `per` samples each, cut from the real one (members kept together, as img2dataset)."""
+    samples = list(_members(shard).items())
+    paths = []
+    for s in range(shards):
+        path = folder / f"{s:05d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for key, members in samples[s * per:(s + 1) * per]:
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(str(path))
+    return paths
+
+
+def test_replicas_read_their_own_shards_and_a_resharded_resume_is_exact(ray_session, shard, tmp_path):
+    """Four shards of 3 samples, two replicas: each reads only its own two shards, whole (each byte fetched once).
+    After a batch of 4 each (one shard read, one begun), a resume into one replica reads exactly the 4 samples
+    not trained on: the rest of the two begun shards."""
+    paths = _cut(shard, tmp_path, 4, 3)
+    loaders = [_loader(paths, r, 2, batch=4) for r in range(2)]
+    firsts = ray.get([loader.next_batch.remote() for loader in loaders])
+    trained = [{source for _, source in b.ids} for b in firsts]
+    shards = [{source.rsplit(":", 1)[0] for source in t} for t in trained]
+    assert all(len(t) == 4 and len(s) == 2 for t, s in zip(trained, shards)) and not shards[0] & shards[1]
+    states = [b.state for b in firsts]
+    assert [(s["part"], s["taken"]) for s in states] == [(2, 1), (3, 1)]  # 1 sample into its second shard
+    (state,) = reshard(states, 1)
+    assert state["plans"] == {"0": {"done": [0, 1], "first": [[2, 1], [3, 1]]}}
+
+    resumed = _loader(paths, 0, 1, batch=4)
+    ray.get(resumed.restore.remote(state))
+    rest = []
+    while (batch := ray.get(resumed.next_batch.remote())) is not None:
+        rest += [source for _, source in batch.ids]
+    everything = {f"{p}:{key}" for p in paths for key in _members(Path(p))}
+    assert len(rest) == len(set(rest)) == 4 and not set(rest) & (trained[0] | trained[1])
+    assert trained[0] | trained[1] | set(rest) == everything
 
 
 def test_replicas_stream_disjoint_samples_and_count_a_missing_shard(ray_session, shard, tmp_path):
@@ -183,6 +226,21 @@ def test_replicas_stream_disjoint_samples_and_count_a_missing_shard(ray_session,
             assert report["examples"][0]["source"] == paths[1]
     assert len(seen[0]) + len(seen[1]) == 32 and not set(seen[0]) & set(seen[1])
     assert sorted(skipped.values(), key=len) == [{}, {"missing_shard": 1}]  # one replica counts it
+
+
+def test_a_replica_dealt_only_missing_shards_goes_on_and_no_shard_at_all_stops(ray_session, shard, tmp_path):
+    """One shard of 6 samples and three never written, two replicas: every epoch one replica is dealt only missing
+    shards; it counts them and goes on to its next epoch until it is dealt the real one. With no shard at all, a
+    stream stops once it has met every shard without a usable sample."""
+    real = _cut(shard, tmp_path, 1, 6)
+    paths = real + [str(tmp_path / f"gone{i}.tar") for i in range(3)]
+    loaders = [_loader(paths, r, 2, batch=4, repeat=True) for r in range(2)]
+    batches = ray.get([loader.next_batch.remote() for loader in loaders])
+    assert all(len(b.ids) == 4 and {s.rsplit(":", 1)[0] for _, s in b.ids} == set(real) for b in batches)
+    assert sum(b.skipped.get("missing_shard", 0) for b in batches) >= 3  # each replica's missing ones, counted
+    gone = _loader(paths[1:], 0, 1, batch=4, repeat=True)
+    with pytest.raises(ray.exceptions.RayTaskError, match="no usable sample"):
+        ray.get(gone.next_batch.remote())
 
 
 def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard, tmp_path):
@@ -239,6 +297,7 @@ def test_resumed_run_on_shards_equals_uninterrupted_run(ray_session, shard, tmp_
     full, resumed = tmp_path / "runs" / "full", tmp_path / "runs" / "resumed"
     position = json.loads((full / "checkpoints" / "step_000002" / "trainer_state.json").read_text())["loaders"]
     assert position[0]["cursor"] == 8 and position[0]["source"].startswith(f"{tmp_path}/000")
+    assert position[0]["taken"] == 8 and position[0]["part"] == 0  # 8 samples into its first shard
     assert position[0]["source"].split(".tar:")[1] in {k for k in _members(shard)}
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000004")
