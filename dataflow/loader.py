@@ -27,7 +27,7 @@ import torch
 from ray.data._internal.logical.interfaces import LogicalPlan
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
-from dhp.dataflow.positions import MAX_SKIP_EXAMPLES, Read, reads, resumed
+from dhp.dataflow.positions import MAX_SKIP_EXAMPLES, Read, files_key, reads, resumed
 from dhp.dataflow.preprocess import PreprocessSettings, decode_sample, preprocess_row
 from dhp.dataflow.sources import Jsonl, split_batch
 from dhp.dataflow.storage import filesystem_of_all, scheme_of
@@ -156,16 +156,16 @@ class BatchLoader:
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
-        # Files read through whole epochs without a usable sample: all of them is a stop (`_end_epoch`).
-        self.epoch_good, self.epoch_files, self.dry = 0, set(), set()
+        self.files = files_key(paths or [], self.records.deals)  # what the position counts in (a checkpoint's check)
+        self._dry_streak()
 
     def state(self) -> dict[str, Any]:
         """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly, in this or
         another number of streams (`positions.reshard`)."""
         return {"epoch": self.epoch, "cursor": self.cursor, "source": self.source, "good": self.good,
                 "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples),
-                "parts": len(self.args[0]), "deals": self.records.deals, "part": self.part, "taken": self.taken,
-                "plans": {str(e): p for e, p in self.plans.items() if e >= self.epoch}}
+                "parts": len(self.args[0]), "deals": self.records.deals, "files": self.files, "part": self.part,
+                "taken": self.taken, "plans": {str(e): p for e, p in self.plans.items() if e >= self.epoch}}
 
     @ray.method(concurrency_group="probe")
     def position(self) -> str:
@@ -186,31 +186,56 @@ class BatchLoader:
         self.epoch, self.cursor, self.source = state["epoch"], state["cursor"], state["source"]
         self.part, self.taken = state["part"], state["taken"]
         self.plans = {int(e): p for e, p in state["plans"].items()}
-        self.rows, self.ahead = None, None
+        self.rows, self.ahead, self.exhausted = None, None, False
         self.good, self.skipped = state["good"], Counter(state["skipped"])
         self.skip_examples = list(state["skip_examples"])
+        self._dry_streak()
+
+    def _dry_streak(self) -> None:
+        """Forget what was read without a usable sample (a start or a restore: this process's own count)."""
+        self.seen_good, self.epoch_good = False, 0
+        self.dry: dict[int, float] = {}  # file -> how much of it read (whole: 1, a stride of N: 1/N), no usable sample
+        self.epoch_reads: dict[int, float] = {}
+        self.epoch_whole = False  # this epoch's reads are this stream's whole share (not resumed into)
 
     def _epoch_rows(self) -> Any:
         """This stream's rows of the epoch, from its position on."""
         seed = None if self.seed is None else self.seed + self.epoch
         paths = self.args[0]
+        self.epoch_whole = self.epoch not in self.plans and self.part < 0
         mine = resumed(reads(len(paths), self.plans.get(self.epoch), *self.stream, self.records.deals),
                        self.part, self.taken)
         order = self.records.order(len(paths), seed)
-        self.epoch_files = {order[r.part] for r in mine}
+        self.epoch_reads = {order[r.part]: 1 / r.step for r in mine if r.first == 0}  # read from their start
         return iter(build_dataset(*self.args, seed=seed, reads=mine).iter_rows() if mine else ())
 
     def _end_epoch(self) -> None:
         self.rows, self.cursor, self.part, self.taken = None, 0, -1, 0
         self.plans.pop(self.epoch, None)
-        self.dry = set() if self.epoch_good else self.dry | self.epoch_files
+        if self.epoch_good:
+            self.dry = {}
+        else:
+            for f, share in self.epoch_reads.items():
+                self.dry[f] = self.dry.get(f, 0.0) + share
         self.epoch_good = 0
         if not self.repeat:
             self.exhausted = True
-        elif len(self.dry) == len(self.args[0]):  # (a dealt stream's epoch is its share: it goes on to the next)
-            raise RuntimeError(f"no usable sample in {self.args[0]}; skipped: {dict(self.skipped)}")
+        elif self._barren():
+            raise RuntimeError(f"no usable sample in {self.args[0]} for data stream {self.stream[0]} of "
+                               f"{self.stream[1]}; skipped: {dict(self.skipped)}")
         else:
             self.epoch += 1
+
+    def _barren(self) -> bool:
+        """Whether this stream will never find a usable sample: it has found none since it started (or was
+        restored), and its epochs without one have read every file whole (a stride of N counting 1/N of it), or
+        the files come in one fixed order (no seed) and it read its whole share of an epoch without one (every
+        later epoch is the same). A stream dealt only bad shards in one epoch goes on: another epoch deals
+        others."""
+        if self.seen_good:
+            return False
+        everything = len(self.dry) == len(self.args[0]) and min(self.dry.values()) >= 1 - 1e-9
+        return everything or (self.seed is None and self.epoch_whole)
 
     def _next_row(self) -> dict[str, Any] | None:
         if self.ahead is not None:
@@ -248,6 +273,7 @@ class BatchLoader:
                 continue
             self.good += 1
             self.epoch_good += 1
+            self.seen_good = True
             samples.append(decode_sample(row["sample"]))
             ids.append((self.epoch, row["source"]))
         if not samples:

@@ -8,7 +8,8 @@ data-parallel streams read the epoch's parts one of two ways (`reads`):
              once in all. WebDataset shards, when at least DEAL_MIN x N of them are left
     strided  every stream reads every part and keeps its rows r, r + N, r + 2N, ... (JSONL files; a few shards)
 
-A `Read` is one part as one stream reads it: the part's rows first + offset + step * j, j = 0, 1, ...
+A `Read` is one part as one stream reads it: the part's rows first + offset + step * j, j = 0, 1, ... (row
+indices in the part's shuffled order; `first` > 0 when a resume starts it past rows read before).
 A stream's position is (epoch, part, taken): it is in part `part` (a position in the epoch's order, -1 before its
 first row) and has consumed `taken` of its rows of it; the parts before it in its reads are behind it, those after
 it not begun. A resume into as many streams skips the parts behind unread and starts `part` `taken` rows in
@@ -18,8 +19,8 @@ Another number of streams (`reshard`) gets a `Plan` for each epoch the old strea
 whose readers had finished them (`done`) and, for the others, the row their consumed prefix ends at (`first`).
 The new streams read the rest. Dealt parts have one reader: nothing is read twice and nothing left out, across
 any number of reshards and whichever epochs the streams had drifted into. A strided part's consumed prefix ends
-at first + min_i (offset_i + step * taken_i); its rows past that which a stream ahead of the others had
-consumed are read again (at most (N - 1) x the largest difference in `taken`), never left out.
+at first + min_i (offset_i + step * taken_i) over its readers not yet past it; the rows beyond that which streams
+ahead of the slowest had read (their drift) are read again, never left out.
 
 Pure Python on JSON-able dicts: checkpoints store the positions (`BatchLoader.state`), and the read tasks
 import `own_rows`.
@@ -39,7 +40,7 @@ class Read(NamedTuple):
     """One part as one stream reads it: its rows first + offset + step * j (all rows in `split` order)."""
 
     part: int  # position in the epoch's order of the parts
-    first: int = 0  # rows of the part consumed before (a resharded resume)
+    first: int = 0  # the row (in the part's shuffled order) reading starts at: > 0 after a resume
     offset: int = 0
     step: int = 1
 
@@ -57,11 +58,31 @@ def own_rows(rows: list[dict[str, Any]], read: dict[str, Any], seed: int | None)
     return [{**r, "part": read.get("part", 0)} for r in rows[start :: read.get("step", 1)]]
 
 
+def files_key(paths: list[str], deals: bool) -> str:
+    """What positions count in: the files' names, in order, and whether they may be dealt (a short hash). Names,
+    not whole paths, so that data moved to another folder or bucket resumes."""
+    import hashlib
+
+    names = "\n".join(p.rstrip("/").rsplit("/", 1)[-1] for p in paths)
+    return hashlib.sha256(f"{deals}\n{names}".encode()).hexdigest()[:16]
+
+
 def plan_parts(plan: dict[str, Any] | None) -> tuple[set[int], dict[int, int]]:
-    """(done, first) of a plan (None: a fresh epoch)."""
+    """(done, first) of a plan (None: a fresh epoch). `done` is stored as [start, end) ranges: every stream's
+    checkpointed state carries the plans, and finished parts come in long runs."""
     if not plan:
         return set(), {}
-    return set(plan["done"]), {k: row for k, row in plan["first"]}
+    return {k for a, b in plan["done"] for k in range(a, b)}, {k: row for k, row in plan["first"]}
+
+
+def _ranges(parts: set[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for k in sorted(parts):
+        if out and out[-1][1] == k:
+            out[-1][1] = k + 1
+        else:
+            out.append([k, k + 1])
+    return out
 
 
 def reads(parts: int, plan: dict[str, Any] | None, replica: int, num_replicas: int, deals: bool) -> list[Read]:
@@ -109,14 +130,16 @@ def reshard(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         return list(states)[:n]
     if not states or n < 0:
         raise ValueError(f"cannot reshard {len(states)} data positions into {n}")
-    low, high = min(s["epoch"] for s in states), max(s["epoch"] for s in states)
-    held = next(s for s in states if s["epoch"] == low)["plans"]  # every stream got the same plans at the last reshard
+    held = next(s for s in states if s["epoch"] == min(t["epoch"] for t in states))["plans"]  # every stream got
+    # the same plans at the last reshard, the ones of epochs it has not reached yet included
+    low = min(s["epoch"] for s in states)
+    high = max([*(s["epoch"] for s in states), *map(int, held)])
     plans = {}
     for epoch in range(low, high + 1):
         old = held.get(str(epoch))
         done, _ = plan_parts(old)
         ends = _prefix(states, epoch, old)
-        plan = {"done": sorted(done | {k for k, e in ends.items() if e is None}),
+        plan = {"done": _ranges(done | {k for k, e in ends.items() if e is None}),
                 "first": sorted([k, e] for k, e in ends.items() if e)}
         if plan["done"] or plan["first"]:
             plans[str(epoch)] = plan
@@ -127,5 +150,6 @@ def reshard(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     examples = [e for s in states for e in s["skip_examples"]][:MAX_SKIP_EXAMPLES]
     return [{"epoch": low, "cursor": 0, "source": "", "good": good // n + (r < good % n),
              "skipped": dict(skipped) if r == 0 else {}, "skip_examples": examples if r == 0 else [],
-             "parts": states[0]["parts"], "deals": states[0]["deals"], "plans": plans, "part": -1, "taken": 0}
+             "parts": states[0]["parts"], "deals": states[0]["deals"], "files": states[0]["files"], "plans": plans,
+             "part": -1, "taken": 0}
             for r in range(n)]

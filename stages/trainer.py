@@ -18,7 +18,7 @@ import ray
 from transformers import Qwen2_5_VLConfig
 
 from dhp.dataflow.loader import GlobalBatch, loader_actor
-from dhp.dataflow.positions import reshard
+from dhp.dataflow.positions import files_key, reshard
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
@@ -67,7 +67,9 @@ class Trainer:
         each step its deadline (stages/watchdog.py; kept by the driver across restarts); `wait_s`: how long to
         wait for the cluster to offer the pools' resources (a rebuild after a fault)."""
         self.cfg = cfg
-        self.train_files = len(train_paths or [])  # what the data positions of a checkpoint count in
+        records = record_format(cfg.data, train_paths or [])
+        self.train_files = (len(train_paths or []), files_key(train_paths or [], records.deals))  # what data positions
+        # count in: a checkpoint's must be the same
         self.model_config = model_config or model_config_of(cfg)
         check_layout(cfg, self.model_config)
         self.fine_tuning = FineTuning(cfg)  # what trains (checked by check_layout)
@@ -79,7 +81,7 @@ class Trainer:
             max_seq_len=d.max_seq_len,
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
             storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
-            records=record_format(d, train_paths or []),  # JSONL or WebDataset shards (dataflow/sources.py)
+            records=records,  # JSONL or WebDataset shards (dataflow/sources.py)
         )
         check_resources(cfg, wait_s)
         self.clock = clock or StepClock(cfg.training.step_timeout_s)
@@ -389,17 +391,19 @@ class Trainer:
         return self.step
 
     @staticmethod
-    def _check_positions(ckpt: Path, states: list[dict[str, Any]], files: int) -> None:
-        """A clear stop for data positions this run (reading `files` files) cannot continue, before any stream is
-        touched."""
-        if any("part" not in s for s in states):
+    def _check_positions(ckpt: Path, states: list[dict[str, Any]], files: tuple[int, str]) -> None:
+        """A clear stop for data positions this run cannot continue, before any stream is touched. `files`: the
+        number of this run's training files and their `positions.files_key` (names, order, format)."""
+        if any("files" not in s for s in states):
             raise ConfigError(
                 f"checkpoint {ckpt} stores its data position in an older form (a record count, before positions by "
                 f"file): export its weights (dhp export-hf --checkpoint {ckpt} --out DIR) and start a new run from "
                 f"model.path=DIR")
-        if any(s["parts"] != files for s in states):
-            raise ConfigError(f"checkpoint {ckpt}'s data streams read {states[0]['parts']} files, data.train now "
-                              f"lists {files}: resume with the same data.train")
+        if any(s["files"] != files[1] for s in states):
+            raise ConfigError(
+                f"checkpoint {ckpt}'s data streams read {states[0]['parts']} files, not the {files[0]} of this "
+                f"run's data.train (file names, their order and format must be the same): resume with the same "
+                f"data.train")
 
     @staticmethod
     def _model_mismatch(ckpt: Path, model_config: Qwen2_5_VLConfig) -> str | None:

@@ -112,6 +112,24 @@ def test_shuffle_is_seeded(annotations, ray_session):
     assert a == b and sorted(a) == sorted(c) and a != c
 
 
+def test_a_resume_at_the_end_of_an_epoch_goes_on_into_the_next(annotations, ray_session):
+    """The checkpoint's position is its epoch's last record: the resumed stream reads nothing more of that epoch,
+    which is not an epoch without a usable sample; it continues with the next, as the uninterrupted stream does."""
+    settings = PreprocessSettings(str(annotations), min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=400)
+
+    def stream():
+        return loader_actor().remote([str(annotations / "train.json")], settings, architecture_config("tiny"),
+                                     global_batch_size=GOOD // 2, microbatch_tokens=400, seed=0, repeat=True)
+
+    first = stream()
+    end = [ray.get(first.next_batch.remote()) for _ in range(2)][-1]
+    assert (end.state["epoch"], end.state["part"], end.state["taken"]) == (0, 0, GOOD)
+    resumed = stream()
+    ray.get(resumed.restore.remote(end.state))
+    after, uninterrupted = ray.get([resumed.next_batch.remote(), first.next_batch.remote()])
+    assert after.epoch == 1 and after.ids == uninterrupted.ids
+
+
 def test_replicas_get_disjoint_records_covering_the_file(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(_record(i)) + "\n" for i in range(11)))

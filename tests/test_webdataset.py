@@ -160,11 +160,12 @@ def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
         load_config("tiny", ["data.webdataset.prompt=Describe it."])
 
 
-def _loader(paths: list[str], replica: int, num_replicas: int, storage=None, batch: int = 8, repeat: bool = False):
+def _loader(paths: list[str], replica: int, num_replicas: int, storage=None, batch: int = 8, repeat: bool = False,
+            seed: int | None = 0):
     settings = PreprocessSettings("", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_seq_len=1024,
                                   storage=storage, records=WebDataset(PROMPT, "txt"))
     return loader_actor().remote(
-        paths, settings, architecture_config("tiny"), global_batch_size=batch, microbatch_tokens=1024, seed=0,
+        paths, settings, architecture_config("tiny"), global_batch_size=batch, microbatch_tokens=1024, seed=seed,
         repeat=repeat, replica=replica, num_replicas=num_replicas)
 
 
@@ -197,7 +198,7 @@ def test_replicas_read_their_own_shards_and_a_resharded_resume_is_exact(ray_sess
     states = [b.state for b in firsts]
     assert [(s["part"], s["taken"]) for s in states] == [(2, 1), (3, 1)]  # 1 sample into its second shard
     (state,) = reshard(states, 1)
-    assert state["plans"] == {"0": {"done": [0, 1], "first": [[2, 1], [3, 1]]}}
+    assert state["plans"] == {"0": {"done": [[0, 2]], "first": [[2, 1], [3, 1]]}}
 
     resumed = _loader(paths, 0, 1, batch=4)
     ray.get(resumed.restore.remote(state))
@@ -241,6 +242,14 @@ def test_a_replica_dealt_only_missing_shards_goes_on_and_no_shard_at_all_stops(r
     gone = _loader(paths[1:], 0, 1, batch=4, repeat=True)
     with pytest.raises(ray.exceptions.RayTaskError, match="no usable sample"):
         ray.get(gone.next_batch.remote())
+    # Without a seed the deal is the same every epoch: a replica dealt only missing shards would never have a
+    # sample, so it stops after one epoch (replica 1 of [real, gone, real, gone]); replica 0 trains.
+    (tmp_path / "b").mkdir()
+    fixed = [paths[0], paths[1], *_cut(shard, tmp_path / "b", 1, 6), paths[2]]
+    loaders = [_loader(fixed, r, 2, batch=4, repeat=True, seed=None) for r in range(2)]
+    assert len(ray.get(loaders[0].next_batch.remote()).ids) == 4
+    with pytest.raises(ray.exceptions.RayTaskError, match="no usable sample .* for data stream 1 of 2"):
+        ray.get(loaders[1].next_batch.remote())
 
 
 def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard, tmp_path):
