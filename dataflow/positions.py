@@ -130,9 +130,9 @@ def reshard(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         return list(states)[:n]
     if not states or n < 0:
         raise ValueError(f"cannot reshard {len(states)} data positions into {n}")
-    held = next(s for s in states if s["epoch"] == min(t["epoch"] for t in states))["plans"]  # every stream got
-    # the same plans at the last reshard, the ones of epochs it has not reached yet included
     low = min(s["epoch"] for s in states)
+    held = next(s for s in states if s["epoch"] == low)["plans"]  # every stream got the same plans at the last
+    # reshard, the ones of epochs it has not reached yet included
     high = max([*(s["epoch"] for s in states), *map(int, held)])
     plans = {}
     for epoch in range(low, high + 1):
