@@ -65,7 +65,12 @@ def fill_auto(config: dict[str, Any], world: int, precision: str, max_grad_norm:
     for key, value in zero.items():
         if out.get("zero_optimization", {}).get(key) == "auto":
             out["zero_optimization"][key] = value
-    for section, on in (("fp16", False), ("bf16", precision == "bf16")):
+    import torch
+
+    from dhp.models.precision import precision_of
+
+    bf16 = precision_of(precision).param_dtype == torch.bfloat16  # dhp's precision object: the runs it is set against
+    for section, on in (("fp16", False), ("bf16", bf16)):
         if out.get(section, {}).get("enabled") == "auto":
             out[section]["enabled"] = on
     left = [k for k, v in _leaves(out) if v == "auto"]
@@ -102,6 +107,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.integrations import HfDeepSpeedConfig
 
+    from dhp.models.precision import precision_of
     from dhp.models.saved_tensors import SavedBytes
     from dhp.scripts.peers.probe import image_sample, largest_fitting, patches
 
@@ -117,7 +123,7 @@ def rank_main(args: argparse.Namespace) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    dtype = precision_of(args.precision).param_dtype
     hidden = AutoConfig.from_pretrained(args.model).text_config.hidden_size
     ds_config = fill_auto(json.loads(Path(args.config).read_text()), world, args.precision, args.max_grad_norm,
                           hidden)
