@@ -156,6 +156,9 @@ class BatchLoader:
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
+        # The batch being assembled (`next_batch`): records taken for it so far, its skips by reason, the last one
+        # skipped. Read from the probe thread (`position`), so the driver can say why a batch is late.
+        self.since, self.since_skipped, self.last_skip = 0, Counter(), None
         self.files = files_key(paths or [], self.records.deals)  # what the position counts in (a checkpoint's check)
         self._dry_streak()
 
@@ -168,10 +171,13 @@ class BatchLoader:
                 "taken": self.taken, "plans": {str(e): p for e, p in self.plans.items() if e >= self.epoch}}
 
     @ray.method(concurrency_group="probe")
-    def position(self) -> str:
-        """Where this stream stands, for a stall report: answered from its own thread while a batch is awaited."""
+    def position(self) -> dict[str, Any]:
+        """Where this stream stands, answered from its own thread while a batch is awaited (the driver's stall
+        check and its warning on a stream that reads but skips): `where`, for people; `read`, the records taken
+        for the batch being assembled; `skipped`, how many of them were skipped, by reason; `example`, the last."""
         last = f", last record {self.source}" if self.source else ", no record read yet"
-        return f"epoch {self.epoch}, {self.cursor} records into it{last}"
+        return {"where": f"epoch {self.epoch}, {self.cursor} records into it{last}", "read": self.since,
+                "skipped": dict(self.since_skipped), "example": self.last_skip}
 
     def start(self) -> None:
         """Start the stream and wait for its first row: Ray Data's start-up and the preprocessing processes'
@@ -261,13 +267,17 @@ class BatchLoader:
         """The next global batch, or None when a non-repeating stream is exhausted."""
         before = Counter(self.skipped)
         samples, bad, ids = [], [], []
+        self.since, self.since_skipped = 0, Counter()
         while len(samples) < self.global_batch_size:
             row = self._next_row()
             if row is None:
                 break
+            self.since += 1
             if row["error"]:
                 self.skipped[row["error"]] += 1
+                self.since_skipped[row["error"]] += 1
                 bad.append({k: row[k] for k in ("source", "error", "detail")})
+                self.last_skip = bad[-1]
                 if len(self.skip_examples) < MAX_SKIP_EXAMPLES:
                     self.skip_examples.append(bad[-1])
                 continue

@@ -147,10 +147,26 @@ def wait_for_data(refs: list[ray.ObjectRef], loaders: list[Any], timeout_s: floa
         which = [i for i, ref in enumerate(refs) if ref in set(late)]
         where = ray.get(_ask.remote([loaders[i] for i in which], "position", HEARTBEAT_S))
         if where == before:
-            streams = "; ".join(f"stream {i}: {w}" for i, w in zip(which, where))
+            streams = "; ".join(f"stream {i}: {w['where'] if isinstance(w, dict) else w}" for i, w in zip(which, where))
             raise DataStalled(
                 f"{what}: the data pipeline read nothing for 2 x data.timeout_s={timeout_s:g} s ({streams}); "
                 f"a read blocked on storage or a stopped preprocessing worker (raise data.timeout_s if the "
                 f"storage is this slow)"
             )
+        for i, w in zip(which, where):
+            if isinstance(w, dict) and w["read"] and 2 * sum(w["skipped"].values()) >= w["read"]:
+                print(f"warning: {what}: {skipping(i, w)}", flush=True)
         before = where
+
+
+def skipping(stream: int, position: dict[str, Any]) -> str:
+    """Why a late stream that reads is late: most of what it read for the batch was skipped (`BatchLoader.position`).
+    Said while it goes on, because a stream stops with "no usable sample" only once it has read every file without
+    one, which at 100k shards is hours of reading when a setting keeps every record out."""
+    read, skipped, example = position["read"], position["skipped"], position["example"]
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+    last = f"; the last: {example['source']}: {example['error']} ({example['detail']})" if example else ""
+    return (f"data stream {stream} is late: {sum(skipped.values())} of the {read} records it read for this batch "
+            f"were skipped ({reasons}){last}. It keeps reading; every skipped record is in RUN_DIR/quarantine.jsonl "
+            f"once a batch arrives. If every record is skipped, check data.image_root, data.webdataset.caption and "
+            f"data.max_seq_len against the last one")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.fs as pafs
 import pytest
@@ -163,3 +164,28 @@ def test_small_blocks_cuts_one_file_block_without_a_free_cpu(ray_session):
         assert [r["i"] for r in cut.iter_rows()] == list(range(40))
     finally:
         remove_placement_group(held)
+
+
+def test_a_late_stream_that_only_skips_says_why_while_it_reads(annotations, tmp_path, ray_session, capsys):
+    """Every record is longer than data.max_seq_len. The stream reads on: it stops with "no usable sample" only once
+    it has read every file without one (at 100k shards, hours). Meanwhile the driver, waiting for its batch, says
+    every data.timeout_s that it is late because it skips, with the reasons and the last skipped record."""
+    from dhp.stages.watchdog import wait_for_data
+
+    # Large photos, each decoded before its length is known: a stream of seconds, not a burst.
+    write_image(tmp_path / "images/big.png", (1200, 900), seed=0)
+    record = json.dumps(_record(0, image="images/big.png"))
+    (tmp_path / "long.jsonl").write_text("".join(record + "\n" for _ in range(150)))
+    settings = PreprocessSettings(str(tmp_path), min_pixels=56 * 56, max_pixels=1200 * 900, max_seq_len=8)
+    loader = loader_actor().remote([str(tmp_path / "long.jsonl")], settings, architecture_config("tiny"),
+                                   global_batch_size=4, microbatch_tokens=400, seed=0, repeat=True)
+    try:
+        ray.get(loader.start.remote())  # Ray Data's start-up is not what this test waits on
+        # About 9 s of reading (60 ms a record here), asked every 4 s; a stall would be 8 s without a record.
+        with pytest.raises(ray.exceptions.RayTaskError, match="no usable sample"):
+            wait_for_data([loader.next_batch.remote()], [loader], 4.0, "step 1")
+        out = capsys.readouterr().out
+        assert re.search(r"warning: step 1: data stream 0 is late: (\d+) of the \1 records it read", out)
+        assert "too_long: " in out and "long.jsonl:" in out and "data.max_seq_len=8" in out
+    finally:
+        ray.kill(loader)
