@@ -188,11 +188,31 @@ def fault_kind(error: Exception, trainer) -> str | None:
     return None
 
 
+NODE_PROBE_S = 10.0  # how long a node that held ranks has to run a task before it counts as lost
+
+
 def _lost_node(trainer) -> bool:
-    """Has a node that holds one of the pools' ranks left the cluster?"""
+    """Has a node that holds one of the pools' ranks left the cluster? Ray lists a node as dead only once its
+    health checks have failed, seconds after the calls of its actors fail, so each node it still lists is asked
+    too: a task pinned to it that does not run within NODE_PROBE_S (or cannot be placed) means it is gone."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     used = {w["node_id"] for ranks in trainer.where.values() for w in ranks}
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    return bool(used - alive)
+    if used - alive:
+        return True
+    probes = [_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+              for node in used]
+    ready, _ = ray.wait(probes, num_returns=len(probes), timeout=NODE_PROBE_S)
+    try:
+        return len(ready) < len(probes) or set(ray.get(ready)) != used
+    except ray.exceptions.RayError:
+        return True
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _here() -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 def _lines_before(path: Path, step: int) -> list[str]:

@@ -73,6 +73,8 @@ def test_killed_node_pools_rebuilt_on_the_nodes_that_remain(recovery):
     assert {before["vision 0"], before["vision 1"]} == {vision_node} and before["text 0"] == text_node
     assert {after["text 0"], after["text 1"]} == {replacement} and after["vision 0"] == vision_node
     assert len(row["restarts"]) == 1 and row["resumed_from_step"] == 2
+    # Named as what it was, though Ray lists the node as dead only after its actors' calls have failed.
+    assert row["restarts"][0]["kind"] == "a node died", row["restarts"]
 
 
 def test_hung_rank_is_named_with_its_call_and_replaced(recovery):
