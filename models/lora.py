@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dhp.models.layout import Layout, PoolRanks
 from dhp.models.tensor_parallel import sum_over_holders
@@ -61,8 +62,9 @@ class _KeptMask(torch.autograd.Function):
 
 class ColumnsDropout(nn.Module):
     """Dropout of this rank's columns `cols` of an input whose last dimension (`width` in one process) is split
-    over the TP ranks: the mask is drawn for the whole width, exactly as `F.dropout` draws it in one process
-    (bernoulli_ of an empty tensor of the input's dtype), and sliced, so the ranks' masks are its parts."""
+    over the TP ranks: the mask is the whole width's, drawn by `F.dropout` itself on a tensor of ones of the one
+    process's shape, dtype and device (so the same RNG draws on any device: bernoulli_ on CPU, the fused
+    `native_dropout` on CUDA), and sliced, so the ranks' masks are its parts."""
 
     def __init__(self, p: float, width: int, cols: slice):
         super().__init__()
@@ -71,9 +73,9 @@ class ColumnsDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        noise = torch.empty(*x.shape[:-1], self.width, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
+        ones = torch.ones(*x.shape[:-1], self.width, dtype=x.dtype, device=x.device)
         # this rank's columns as a new bool tensor: a view would keep the whole width alive
-        return _KeptMask.apply(x, noise[..., self.cols].bool(), self.p)
+        return _KeptMask.apply(x, F.dropout(ones, self.p, training=True)[..., self.cols] != 0, self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, width={self.width}, cols={self.cols}"

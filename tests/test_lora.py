@@ -185,18 +185,24 @@ def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, ray_sessio
     assert min(rel_err(plain[n], t) for n, t in one.items()) > 1e-2  # every factor's gradient sees its mask
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_columns_dropout_is_one_process_dropout_sliced_and_keeps_a_bool_mask(dtype):
+def test_columns_dropout_is_one_process_dropout_sliced_and_keeps_a_bool_mask(dtype, device):
     """A rank's `ColumnsDropout` of columns 2:5 of an 8-wide input: output and input gradient equal to one
-    process's `nn.Dropout` of the whole width, sliced, exactly; what autograd keeps of it is a bool mask of
-    the rank's width (the memory plan counts 1 byte per element)."""
+    process's `nn.Dropout` of the whole width, sliced, exactly, on CPU (bernoulli_) and on CUDA (the fused
+    native_dropout); what autograd keeps of it is a bool mask of the rank's width (the plan counts 1 byte)."""
     from dhp.models.lora import ColumnsDropout
 
-    x = torch.randn(3, 8, dtype=dtype, requires_grad=True)
+    x = torch.randn(3, 8, dtype=dtype, device=device, requires_grad=True)
     torch.manual_seed(7)
     whole = torch.nn.Dropout(0.3)(x)
     whole.backward(torch.ones_like(whole))
     part = x.detach()[:, 2:5].clone().requires_grad_()
+    assert 0 < int((whole == 0).sum()) < whole.numel()  # some dropped, some kept: the masks can differ
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
         torch.manual_seed(7)
