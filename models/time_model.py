@@ -50,6 +50,7 @@ a node unless the group spans more GPUs than a node has; no overlap of TP/SP col
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +177,8 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
     bwd.scale_compute(prof.efficiency.get("vision_backward", 1.0))
     if layout.spans_pool:  # ZeRO-3 gathers each unit forward and backward, reduce-scatters its gradients
         rate = prof.comm_rate("all_gather", _nodes_spanned(layout.num_actors, prof))
-        f, g = _zero3_s(prof, cfg, mc, "vision", layout.vit_grad_sync_bytes(shape, b) / rate)
+        f, g = _zero3_s(prof, cfg, mc, "vision", layout.vit_grad_sync_bytes(shape, b) / rate,
+                        backward_of=None if blocks_train else ft.trainable)
         _overlap(fwd, f, prof)
         _overlap(bwd, g, prof)
     boundary = _boundary_s(cfg, mc, prof, p // 4)
@@ -260,19 +262,27 @@ def _trained(cfg: Any, mc: Any, layout: Any, stage: str) -> tuple[int, int]:
     return sum(trained), len(trained)
 
 
-def _zero3_s(prof: Profile, cfg: Any, mc: Any, stage: str, bytes_model_s: float) -> tuple[float, float]:
+def _zero3_s(prof: Profile, cfg: Any, mc: Any, stage: str, bytes_model_s: float,
+             backward_of: Callable[[str], bool] | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of ZeRO-3's work on one call: where the profile measured FSDP2 (gloo), per
     unit (the stage's shard units and the root) and per parameter byte; else the bytes' model: a third (the
-    forward's all-gathers) and two thirds (the backward's all-gathers and reduce-scatters) of `bytes_model_s`."""
+    forward's all-gathers) and two thirds (the backward's all-gathers and reduce-scatters) of `bytes_model_s`.
+    `backward_of`: the parameters the backward reaches, when only the top of the stage does (a merger-only ViT:
+    the merger's unit and the root gather and reduce-scatter, the frozen blocks below see no backward)."""
     from dhp.models.precision import precision_of
 
-    if not (prof.zero3_unit_s and prof.zero3_s_per_byte):
-        return bytes_model_s / 3, 2 * bytes_model_s / 3
     vc, tc = mc.vision_config, mc.text_config
     units = (vc.depth + 1 if stage == "vision" else tc.num_hidden_layers) + 1  # blocks (+ merger), the root
-    nbytes = _numel(mc, stage) * precision_of(cfg.model.precision).param_bytes
-    f, g = (u * units + per_byte * nbytes for u, per_byte in zip(prof.zero3_unit_s, prof.zero3_s_per_byte))
-    return f, g
+    shapes = _shapes(mc, stage)
+    numel = sum(math.prod(v) for v in shapes.values())
+    back_units, back_numel = units, numel
+    if backward_of is not None:
+        back_units, back_numel = 2, sum(math.prod(v) for n, v in shapes.items() if backward_of(n))
+    if not (prof.zero3_unit_s and prof.zero3_s_per_byte):
+        return bytes_model_s / 3, 2 * bytes_model_s / 3 * back_numel / numel
+    b = precision_of(cfg.model.precision).param_bytes
+    (uf, ub), (bf, bb) = prof.zero3_unit_s, prof.zero3_s_per_byte
+    return uf * units + bf * numel * b, ub * back_units + bb * back_numel * b
 
 
 def _overlap(cost: CallCost, comm_s: float, prof: Profile) -> None:
