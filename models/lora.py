@@ -11,10 +11,10 @@ Under TP a factor is split where its base is (`tensor_parallel.tp_slice` answers
 checkpoints, resharding and export read them like any weight): a column-parallel base (q/k/v, gate/up: output
 rows split) keeps its rows of B and a whole A; a row-parallel base (o, down: input columns split) keeps its
 columns of A and a whole B. A factor that several ranks hold whole gets only a partial gradient on each (the
-other factor's part differs from rank to rank), so `sum_partial_grads` sums it over those holders before the
-step: A of a column-parallel layer over the whole TP group, B of a row-parallel one likewise, B of a replicated
-KV head over the ranks sharing that head. Each gradient element is counted once in the grad norm (`_dhp_sharded` on the
-lowest holder).
+other factor's part differs from rank to rank), so `tensor_parallel.sum_partial_grads` sums it over those
+holders before the step: A of a column-parallel layer over the whole TP group, B of a row-parallel one
+likewise, B of a replicated KV head over the ranks sharing that head. Each gradient element is counted once in
+the grad norm (`_dhp_sharded` on the lowest holder).
 
 Dropout under TP draws the one-process mask. The global RNG is in the same state on every rank of every layout
 when training starts (the stage build seeds it and draws the same amount whatever the layout; the factors are
@@ -35,7 +35,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhp.models.layout import Layout, PoolRanks
-from dhp.models.tensor_parallel import sum_over_holders
 from dhp.stages.config import ConfigError
 
 
@@ -89,20 +88,6 @@ def _dropout(p: float, a_slice: Any, width: int) -> nn.Module:
     if cols == slice(None):
         return nn.Dropout(p)
     return ColumnsDropout(p, width, cols)
-
-
-def sum_partial_grads(params: list[nn.Parameter]) -> None:
-    """Sum each LoRA factor's accumulated gradient over the ranks holding the same part (`_dhp_partial`: its
-    slot among the distinct parts, their count, the model-parallel group), once per step before the data-
-    parallel sync. Not in an autograd hook: a TP rank that sends the embedding gradient back runs a larger
-    graph than the others, so hooks could fire in another order than theirs and mismatch the collectives;
-    here every rank walks the same parameters in the same order."""
-    for p in params:
-        if not hasattr(p, "_dhp_partial"):
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        p.grad.copy_(sum_over_holders(p.grad, *p._dhp_partial))
 
 
 def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:

@@ -31,8 +31,8 @@ KV heads. tp must divide num_attention_heads, intermediate_size and vocab_size (
 released Qwen2.5-VL vocabulary divides by 8; a ValueError names the valid degrees). If tp divides
 num_key_value_heads, each rank holds kv_heads/tp of them. If instead num_key_value_heads divides tp, KV
 heads are replicated: rank r holds the single KV head its q heads use, r // (tp/kv_heads); its k/v
-weight gradients cover only its own q heads, so a hook on those parameters sums them over the ranks
-holding the same head (one all-reduce of a [kv_heads, ...] buffer per k/v parameter, backward only).
+weight gradients cover only its own q heads, so `sum_partial_grads` sums them over the ranks holding the
+same head once per step (one all-reduce of a [kv_heads, ...] buffer per k/v parameter).
 
 Why hand-written autograd Functions rather than DTensor (`parallelize_module`, `loss_parallel`), chosen
 from the documented API, not measured: `loss_parallel` must also wrap the backward call (a trainer
@@ -289,6 +289,23 @@ def _reduce_hook(group, module, args, output):
     return _ReduceFromRegion.apply(output, group)
 
 
+def sum_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum each accumulated gradient that covers only part of what it should over the ranks holding the same
+    tensor (`_dhp_partial`: its slot among the distinct tensors, their count, the TP group): replicated KV heads
+    (each rank's k/v gradient covers its own q heads) and LoRA factors held whole by several ranks
+    (models/lora.py). Once per step, before the data-parallel sync (`StageWorker.sync_grads`; the sum is linear,
+    so summing the accumulation equals summing each micro-batch, with one all-reduce instead of one per
+    micro-batch). Not in an autograd hook: the TP rank that sends the embedding gradient back runs a larger
+    graph than the others (stages/text_worker.py), so hooks could fire in another order than theirs and
+    mismatch the collectives; here every rank walks the same parameters in the same order."""
+    for p in params:
+        if not hasattr(p, "_dhp_partial"):
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.copy_(sum_over_holders(p.grad, *p._dhp_partial))
+
+
 def sum_over_holders(grad: torch.Tensor, slot: int, slots: int, group) -> torch.Tensor:
     """The sum of `grad` over the ranks of `group` holding the same part as this one: each rank writes its part
     into its `slot` of `slots` (one per distinct part) and the whole buffer is all-reduced, so every rank calls
@@ -337,7 +354,6 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
 
     copy = functools.partial(_copy_hook, group)
     reduce = functools.partial(_reduce_hook, group)
-    kv_sum = functools.partial(sum_over_holders, slot=kv_first, slots=c.num_key_value_heads, group=group)
     for layer in lm.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.num_heads = c.num_attention_heads // tp
@@ -347,10 +363,9 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
         mlp.register_forward_pre_hook(copy, with_kwargs=True)
         attn.o_proj.register_forward_hook(reduce)
         mlp.down_proj.register_forward_hook(reduce)
-        if kv_replicated:  # each rank's k/v gradient covers only its own q heads: sum over the head's holders
+        if kv_replicated:  # each rank's k/v gradient covers only its own q heads: summed over the head's holders
             for p in (*attn.k_proj.parameters(), *attn.v_proj.parameters()):
-                if p.requires_grad:  # a frozen base (models/fine_tuning.py) has no gradient to sum
-                    p.register_hook(kv_sum)
+                p._dhp_partial = (kv_first, c.num_key_value_heads, group)  # once per step: sum_partial_grads
     old = lm.embed_tokens
     lm.embed_tokens = VocabParallelEmbedding(old.weight, rank * (c.vocab_size // tp), old.padding_idx, group)
     model.lm_head.register_forward_pre_hook(copy, with_kwargs=True)

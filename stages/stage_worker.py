@@ -20,10 +20,10 @@ from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import make_layout, stage_layout
-from dhp.models.lora import sum_partial_grads
 from dhp.models.precision import precision_of
 from dhp.models.reshard import MOMENT_SEP, SavedRanks, index_of
 from dhp.models.stage_build import build_stage
+from dhp.models.tensor_parallel import sum_partial_grads
 from dhp.models.weights import save_shard
 from dhp.models.zero3 import local_tensor
 from dhp.stages.actor_group import DistributedWorker
@@ -214,7 +214,7 @@ class StageWorker(DistributedWorker):
             return  # idempotent: a second sync in the same step would double the gradients
         self._synced = True
         params = [p for p in self.model.parameters() if p.requires_grad]
-        sum_partial_grads(params)  # LoRA factors held whole by several TP ranks (models/lora.py)
+        sum_partial_grads(params)  # replicated KV heads, LoRA factors held whole by several TP ranks
         group = self.layout.grad_sync_group(self.ranks)
         if group is SKIP_SYNC:
             return  # e.g. ZeRO-3: FSDP already reduce-scattered (summed) every micro-batch's gradients

@@ -22,6 +22,7 @@ from dhp.models.tensor_parallel import (
     check_tp_degree,
     gather_full_state_dict,
     shard_state_dict_for_rank,
+    sum_partial_grads,
     tp_slice,
 )
 from tests.conftest import free_port, perturbed_reference, rel_err
@@ -60,6 +61,7 @@ def forward_backward(model, batch):
     vision = vision.clone().requires_grad_(True)
     loss = model.loss_sum(model.hidden_states(ids, vision, pos, mask), labels)
     loss.backward()
+    sum_partial_grads(list(model.parameters()))  # replicated KV heads, as StageWorker.sync_grads does
     return loss.detach(), vision.grad
 
 
