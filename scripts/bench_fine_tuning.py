@@ -37,7 +37,7 @@ def _rank_state(worker: Any) -> dict[str, Any]:
 def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: dict) -> dict[str, Any]:
     import ray
 
-    from dhp.scripts.bench_time_model import _global_batches
+    from dhp.scripts.bench_time_model import global_batches
     from dhp.stages.config import load_config
     from dhp.stages.trainer import Trainer
 
@@ -48,7 +48,7 @@ def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: d
     trainer = Trainer(cfg, model_config=config)
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
-        batches = _global_batches(sample, cfg, config, size["samples"] // trainer.dp, trainer.dp)
+        batches = global_batches(sample, cfg, config, size["samples"] // trainer.dp, trainer.dp)
         times = []
         for _ in range(1 + size["steps"]):
             start = time.perf_counter()

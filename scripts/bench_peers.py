@@ -91,7 +91,7 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
             steps: int, work: Path) -> dict[str, Any]:
     import ray
 
-    from dhp.scripts.bench_time_model import _global_batches
+    from dhp.scripts.bench_time_model import global_batches
     from dhp.scripts.peers.probe import image_sample, largest_fitting, patches
     from dhp.stages.config import load_config
     from dhp.stages.trainer import Trainer
@@ -107,13 +107,13 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
         def measured_step(sample: dict) -> tuple[int, int]:
             """One step on `sample`: (worst rank's state + kept bytes, worst rank's kept bytes)."""
             ray.get([a.measure_activations.remote(True) for a in actors])
-            trainer.train_step(_global_batches(sample, cfg, config, n // trainer.dp, trainer.dp))
+            trainer.train_step(global_batches(sample, cfg, config, n // trainer.dp, trainer.dp))
             kept = [max((r.get("step_bytes", r["bytes"]) for r in recs), default=0)  # text: logits and loss too
                     for recs in ray.get([a.measure_activations.remote(False) for a in actors])]
             state = [m["state"] for m in ray.get([a.__ray_call__.remote(_rank_memory) for a in actors])]
             return max(s + k for s, k in zip(state, kept)), max(kept)
 
-        batches = _global_batches(timing, cfg, config, n // trainer.dp, trainer.dp)
+        batches = global_batches(timing, cfg, config, n // trainer.dp, trainer.dp)
         times = []
         for _ in range(steps):
             start = time.perf_counter()

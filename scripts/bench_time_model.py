@@ -77,7 +77,7 @@ def deep_sample(root: Path, image: tuple[int, int] = IMAGE, text_layers: int = 1
     return config, ckpt, sample
 
 
-def _global_batches(sample: dict, cfg: Any, model_config: Any, per_replica: int, replicas: int) -> list[Any]:
+def global_batches(sample: dict, cfg: Any, model_config: Any, per_replica: int, replicas: int) -> list[Any]:
     """Each text replica's part of one global batch: `per_replica` one-sample micro-batches, split for the
     vision pool's sequence-parallel ranks as the loader splits them."""
     import ray
@@ -105,7 +105,7 @@ def measure_step(overrides: list[str], ckpt: Path, model_config: Any, sample: di
         f"training.global_batch_size={microbatches}", "training.warmup_steps=0", "pipeline.trace=true"])
     trainer = Trainer(cfg, model_config=model_config)
     try:
-        batches = _global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp)
+        batches = global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp)
         times = []
         for _ in range(1 + steps):
             start = time.perf_counter()

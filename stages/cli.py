@@ -20,6 +20,7 @@
     dhp bench time-model [--json PATH] [--profile P] [--quick]  (the plan's step time against measured steps)
     dhp bench peers [--json PATH] [--quick] [--ranks N]       (vs DeepSpeed ZeRO-3 and uniform TP: speed, longest image)
     dhp bench fine-tuning [--json PATH] [--quick]             (frozen ViT, merger only, frozen LLM vs full: time, bytes)
+    dhp bench one-gpu [--json PATH] [--quick] [--model M]     (dhp on one device vs a one-process transformers loop)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -120,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
     from dhp.scripts.bench_fine_tuning import add_parser as add_fine_tuning
     from dhp.scripts.bench_memory import add_parser as add_memory
+    from dhp.scripts.bench_one_gpu import add_parser as add_one_gpu
     from dhp.scripts.bench_ops import add_parser as add_ops
     from dhp.scripts.bench_peers import add_parser as add_peers
     from dhp.scripts.bench_time_model import add_parser as add_time_model
@@ -130,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     add_time_model(bench)
     add_peers(bench)
     add_fine_tuning(bench)
+    add_one_gpu(bench)
     return p
 
 
@@ -225,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_fine_tuning import main as bench_fine_tuning
 
             return bench_fine_tuning(args)
+        elif args.command == "bench" and args.bench_command == "one-gpu":
+            from dhp.scripts.bench_one_gpu import main as bench_one_gpu
+
+            return bench_one_gpu(args)
         elif args.command == "bench" and args.bench_command == "peers":
             from dhp.scripts.bench_peers import main as bench_peers
 

@@ -1,0 +1,220 @@
+"""`dhp bench one-gpu`: dhp on one device against the loop a user would write instead (issue 14, items 3 and 4).
+
+    dhp bench one-gpu --json runs/bench/one_gpu.json [--quick] [--model qwen2_5_vl_3b] [--sides 448,896,1792]
+                      [--steps 20] [--microbatches 2]
+
+Systems, on the same device, one after the other in the same process tree:
+  dhp           a vision actor and a text actor sharing the device (`pipeline.placement=shared`, half a GPU
+                each), the model preset's precision and activation checkpointing, `Trainer.train_step` on
+                pre-built global batches (the data pipeline is `dhp bench data`'s subject, not this one's).
+  one process   transformers' `Qwen2_5_VLForConditionalGeneration`, the same precision (fp32 master weights under
+                bf16 autocast, or pure bf16), `gradient_checkpointing_enable()` where dhp checkpoints, AdamW with
+                dhp's hyper-parameters and clipping, the same micro-batches accumulated into one step.
+
+Per image side (448, 896, 1792 px: 1 024, 4 096, 16 384 patches) and system: the median step after one warm-up
+step, vision tokens/s (ViT patches), text tokens/s (decoder tokens, image placeholders included), model TFLOP/s
+and MFU (`run_log.throughput`, dhp's own FLOP count and peak), and peak memory: on a GPU
+`torch.cuda.max_memory_allocated` of each process, next to `dhp plan`'s prediction per actor; on a CPU the
+processes' peak RSS (mostly libraries: no prediction is compared). `ratio` is dhp's tokens/s over the one-process
+loop's (the issue's goal: >= 0.95). Weights are random (no released weights offline): speed does not depend on
+their values. Without `--model` the tiny architecture runs, which is what CI checks on CPU; CPU timings are
+labelled as such in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dhp.scripts.results import write_json
+
+SIDES = (448, 896, 1792)  # px: 1 024, 4 096 and 16 384 patches of 14
+QUICK_SIDES = (112,)  # 64 patches
+
+
+def _settings(model: str | None, length: int, microbatches: int, cuda: bool) -> list[str]:
+    gpus = ["vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5"] if cuda else [
+        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
+    return [*([f"model.name={model}"] if model else []),
+            "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
+            "text.parallelism=none", "text.num_actors=1", "text.degree=1", "pipeline.placement=shared", *gpus,
+            f"data.microbatch_tokens={length}", f"data.max_seq_len={length}",
+            f"training.global_batch_size={microbatches}", "training.warmup_steps=0", "pipeline.trace=true"]
+
+
+def _peak_bytes(_worker: Any = None) -> int:
+    """This process's peak: device memory allocated by torch on a GPU, else the resident set."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
+    """dhp's steps on pre-built batches: median step, per-call medians, each actor's peak, and the MFU peak."""
+    import ray
+
+    from dhp.scripts.bench_time_model import global_batches
+    from dhp.stages.run_log import peak_of
+    from dhp.stages.trainer import Trainer
+
+    trainer = Trainer(cfg, model_config=mc)
+    try:
+        batches = global_batches(sample, cfg, mc, microbatches, 1)
+        times = []
+        for _ in range(1 + steps):
+            start = time.perf_counter()
+            trainer.train_step(batches)
+            times.append(time.perf_counter() - start)
+        calls: dict[str, list[float]] = {}
+        for e in trainer.events:
+            if e["step"] > 1:
+                calls.setdefault(f"{e['stage']}.{e['name']}", []).append(e["end"] - e["start"])
+        peaks = {stage: ray.get(pool.actors[0].__ray_call__.remote(_peak_bytes)) for stage, pool in trainer.pools()}
+        peak = peak_of(cfg, trainer)
+    finally:
+        trainer.shutdown()
+    return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
+            "calls_s": {k: statistics.median(v) for k, v in sorted(calls.items())}, "peak_flops": peak.flops,
+            "batches": batches}
+
+
+def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
+    """The same steps as one transformers model in this process: median step and the process's peak."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from dhp.models.precision import precision_of
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    precision, t = precision_of(cfg.model.precision), cfg.training
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(
+        mc, attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype).to(device).train()
+    if "none" not in (cfg.vision.activation_checkpointing, cfg.text.activation_checkpointing):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                  weight_decay=t.weight_decay)
+    ids = sample["input_ids"][None].to(device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": sample["labels"][None].to(device),
+             "pixel_values": sample["pixel_values"].to(device, precision.param_dtype),
+             "image_grid_thw": sample["image_grid_thw"].reshape(1, 3).to(device)}
+    autocast = precision.autocast(device, precision.compute_dtype(cfg.model.dtype))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(1 + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(microbatches):
+            with autocast:
+                loss = model(**batch).loss
+            loss.backward()
+        if t.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = _peak_bytes()
+    del model, optimizer
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": {"process": peak}}
+
+
+def run(quick: bool, model: str | None = None, sides: list[int] | None = None, steps: int | None = None,
+        microbatches: int = 2) -> dict[str, Any]:
+    import ray
+    import torch
+
+    from dhp.models.memory_plan import plan
+    from dhp.scripts.peers.probe import image_sample, patches
+    from dhp.stages.config import load_config
+    from dhp.stages.run_log import throughput
+    from dhp.stages.trainer import model_config_of
+
+    cuda = torch.cuda.is_available()
+    sides = list(sides or (QUICK_SIDES if quick else SIDES))
+    steps = steps or (2 if quick else 20)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for side in sides:
+                base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision and checkpointing
+                mc = model_config_of(load_config(base, [f"model.name={model}"] if model else []))
+                sample = image_sample(mc, side, Path(tmp))
+                length = len(sample["input_ids"])
+                cfg = load_config(base, _settings(model, length, microbatches, cuda))
+                predicted = plan(cfg, mc, vision_patches=patches(side))["ranks"]
+                dhp = run_dhp(cfg, mc, sample, microbatches, steps)
+                alone = run_one_process(cfg, mc, sample, microbatches, steps)
+                batches = dhp.pop("batches")
+                for system, r in (("dhp", dhp), ("one process", alone)):
+                    rows.append({
+                        "side": side, "patches": patches(side), "text_tokens": length, "system": system,
+                        "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
+                        "calls_s": r.get("calls_s", {}),
+                        "planned_bytes": {s: p.total for s, p in predicted.items()} if cuda and system == "dhp" else {},
+                        "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
+                        "text_tokens_per_s": microbatches * length / r["step_s"],
+                        **throughput(batches, mc, r["step_s"], dhp["peak_flops"]),
+                    })
+                rows[-2]["ratio"] = rows[-1]["step_s"] / rows[-2]["step_s"]  # dhp's tokens/s over the loop's
+    finally:
+        if started:
+            ray.shutdown()
+    return {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+            "timings": "GPU" if cuda else "CPU timings (not GPU figures)", "torch": torch.__version__,
+            "model": model or "tiny", "microbatches": microbatches, "steps": steps, "rows": rows}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']} on {result['device']} ({result['timings']}), {result['microbatches']} micro-batches "
+             f"a step, median of {result['steps']} steps", "",
+             "| patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | peak GiB (planned) "
+             "| dhp / loop |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+    for r in result["rows"]:
+        peak = ", ".join(f"{k} {v / 2**30:.2f}" + (f" ({r['planned_bytes'][k] / 2**30:.2f})"
+                                                   if k in r["planned_bytes"] else "")
+                         for k, v in r["peak_bytes"].items())
+        ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
+        lines.append(f"| {r['patches']} | {r['system']} | {r['step_s']:.3f} | {r['vision_tokens_per_s']:.0f} | "
+                     f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
+                     f"{ratio} |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    sides = [int(s) for s in args.sides.split(",")] if args.sides else None
+    result = run(args.quick, args.model, sides, args.steps, args.microbatches)
+    if args.json:
+        write_json(args.json, result)
+    print(table(result))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("one-gpu", help="dhp (vision + text actor sharing one device) vs a one-process transformers "
+                                       "loop: tokens/s, MFU, peak memory")
+    p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true", help="one 64-patch image, 2 steps (what CI runs)")
+    p.add_argument("--model", default=None, help="a released shape, e.g. qwen2_5_vl_3b (default: tiny)")
+    p.add_argument("--sides", default=None, help="image sides in px, comma-separated (default 448,896,1792)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up (default 20)")
+    p.add_argument("--microbatches", type=int, default=2)
