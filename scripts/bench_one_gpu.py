@@ -98,8 +98,9 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     device = torch.device("cuda" if cuda else "cpu")
     precision, t = precision_of(cfg.model.precision), cfg.training
     torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(
-        mc, attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype).to(device).train()
+    with device:  # initialized where it trains: a released shape's random init on the host takes minutes
+        model = Qwen2_5_VLForConditionalGeneration._from_config(
+            mc, attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype).train()
     if "none" not in (cfg.vision.activation_checkpointing, cfg.text.activation_checkpointing):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
