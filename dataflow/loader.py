@@ -157,8 +157,9 @@ class BatchLoader:
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
         # The batch being assembled (`next_batch`): records taken for it so far, its skips by reason, the last one
-        # skipped. Read from the probe thread (`position`), so the driver can say why a batch is late.
-        self.since, self.since_skipped, self.last_skip = 0, Counter(), None
+        # skipped. Read from the probe thread (`position`), so the driver can say why a batch is late: one tuple,
+        # replaced whole after each record, so that the probe never sees a count without its skips.
+        self.batch_reads: tuple[int, dict[str, int], dict[str, str] | None] = (0, {}, None)
         self.files = files_key(paths or [], self.records.deals)  # what the position counts in (a checkpoint's check)
         self._dry_streak()
 
@@ -176,8 +177,9 @@ class BatchLoader:
         check and its warning on a stream that reads but skips): `where`, for people; `read`, the records taken
         for the batch being assembled; `skipped`, how many of them were skipped, by reason; `example`, the last."""
         last = f", last record {self.source}" if self.source else ", no record read yet"
-        return {"where": f"epoch {self.epoch}, {self.cursor} records into it{last}", "read": self.since,
-                "skipped": dict(self.since_skipped), "example": self.last_skip}
+        read, skipped, example = self.batch_reads
+        return {"where": f"epoch {self.epoch}, {self.cursor} records into it{last}", "read": read,
+                "skipped": skipped, "example": example}
 
     def start(self) -> None:
         """Start the stream and wait for its first row: Ray Data's start-up and the preprocessing processes'
@@ -267,20 +269,22 @@ class BatchLoader:
         """The next global batch, or None when a non-repeating stream is exhausted."""
         before = Counter(self.skipped)
         samples, bad, ids = [], [], []
-        self.since, self.since_skipped = 0, Counter()
+        read, skips = 0, Counter()
+        self.batch_reads = (0, {}, None)
         while len(samples) < self.global_batch_size:
             row = self._next_row()
             if row is None:
                 break
-            self.since += 1
+            read += 1
             if row["error"]:
                 self.skipped[row["error"]] += 1
-                self.since_skipped[row["error"]] += 1
+                skips[row["error"]] += 1
                 bad.append({k: row[k] for k in ("source", "error", "detail")})
-                self.last_skip = bad[-1]
+                self.batch_reads = (read, dict(skips), bad[-1])
                 if len(self.skip_examples) < MAX_SKIP_EXAMPLES:
                     self.skip_examples.append(bad[-1])
                 continue
+            self.batch_reads = (read, self.batch_reads[1], self.batch_reads[2])
             self.good += 1
             self.epoch_good += 1
             self.seen_good = True

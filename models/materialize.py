@@ -168,7 +168,7 @@ def materialize_params(model: nn.Module, device: torch.device) -> None:
     """Give every meta parameter (already laid out: local shapes) uninitialised storage on `device`.
 
     Not `module.to_empty`: that makes new Parameter objects per module, which unties tied weights and
-    drops what a layout attached to a parameter (`_dhp_sharded`, TP's KV-replica gradient hooks). Each
+    drops what a layout attached to a parameter (`_dhp_sharded`, `_dhp_partial`, any hooks). Each
     parameter is replaced once, everywhere it is used, keeping its attributes and hooks.
     """
     new: dict[int, nn.Parameter] = {}

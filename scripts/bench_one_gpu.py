@@ -24,6 +24,7 @@ labelled as such in the JSON.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import resource
@@ -40,22 +41,47 @@ QUICK_SIDES = (112,)  # 64 patches
 
 
 def _settings(model: str | None, length: int, microbatches: int, cuda: bool) -> list[str]:
-    gpus = ["vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5"] if cuda else [
-        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
-    return [*([f"model.name={model}"] if model else []),
+    # No loader runs (the batches are built here), so no preprocessing CPUs: the GPU preset's 2 x 8 would not fit.
+    resources = ["vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5", "data.preprocess_workers=1",
+                 "data.preprocess_num_cpus=0.25"]
+    gpus = ["vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5"] if cuda else []
+    return [*([f"model.name={model}"] if model else []), *resources, *gpus,
             "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-            "text.parallelism=none", "text.num_actors=1", "text.degree=1", "pipeline.placement=shared", *gpus,
+            "text.parallelism=none", "text.num_actors=1", "text.degree=1", "pipeline.placement=shared",
             f"data.microbatch_tokens={length}", f"data.max_seq_len={length}",
             f"training.global_batch_size={microbatches}", "training.warmup_steps=0", "pipeline.trace=true"]
 
 
 def _peak_bytes(_worker: Any = None) -> int:
-    """This process's peak: device memory allocated by torch on a GPU, else the resident set."""
+    """This process's peak: device memory allocated by torch on a GPU since `_reset_peak`, else the resident set
+    (which cannot be reset: on a CPU it includes the build)."""
     import torch
 
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak(_worker: Any = None) -> None:
+    """Forget the build's peak: what is compared is training's (as `dhp plan` predicts it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _wait_for_free_device(timeout_s: float = 120.0) -> None:
+    """After the actors are killed (`ray.kill` returns before their processes exit): until the device's memory is
+    free again, so that the next system does not start beside the last one's tensors."""
+    import torch
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if free >= 0.9 * total:
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"the dhp actors' device memory was not released within {timeout_s:g} s")
 
 
 def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
@@ -69,6 +95,7 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
     trainer = Trainer(cfg, model_config=mc)
     try:
         batches = global_batches(sample, cfg, mc, microbatches, 1)
+        ray.get([pool.actors[0].__ray_call__.remote(_reset_peak) for _, pool in trainer.pools()])
         times = []
         for _ in range(1 + steps):
             start = time.perf_counter()
@@ -82,6 +109,8 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
         peak = peak_of(cfg, trainer)
     finally:
         trainer.shutdown()
+    if cfg.vision.num_gpus_per_actor:
+        _wait_for_free_device()
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
             "calls_s": {k: statistics.median(v) for k, v in sorted(calls.items())}, "peak_flops": peak.flops,
             "batches": batches}
@@ -93,22 +122,20 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from dhp.models.precision import precision_of
+    from dhp.scripts.peers.deepspeed_zero3 import hf_batch
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     precision, t = precision_of(cfg.model.precision), cfg.training
     torch.manual_seed(0)
     with device:  # initialized where it trains: a released shape's random init on the host takes minutes
-        model = Qwen2_5_VLForConditionalGeneration._from_config(
-            mc, attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype).train()
+        model = Qwen2_5_VLForConditionalGeneration._from_config(  # a copy: _from_config sets its dtype
+            copy.deepcopy(mc), attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype).train()
     if "none" not in (cfg.vision.activation_checkpointing, cfg.text.activation_checkpointing):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
-    ids = sample["input_ids"][None].to(device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": sample["labels"][None].to(device),
-             "pixel_values": sample["pixel_values"].to(device, precision.param_dtype),
-             "image_grid_thw": sample["image_grid_thw"].reshape(1, 3).to(device)}
+    batch = {k: v.to(device) for k, v in hf_batch(sample, precision.param_dtype).items()}  # as the DeepSpeed peer's
     autocast = precision.autocast(device, precision.compute_dtype(cfg.model.dtype))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -167,7 +194,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                 batches = dhp.pop("batches")
                 for system, r in (("dhp", dhp), ("one process", alone)):
                     rows.append({
-                        "side": side, "patches": patches(side), "text_tokens": length, "system": system,
+                        "side": side, "patches": patches(side), "sample_tokens": length, "system": system,
                         "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
                         "calls_s": r.get("calls_s", {}),
                         "planned_bytes": {s: p.total for s, p in predicted.items()} if cuda and system == "dhp" else {},

@@ -19,6 +19,7 @@ from dhp.dataflow.synth import write_synthetic_dataset
 from dhp.stages import run_log
 from dhp.stages.checkpoint_files import Newest, latest_valid, resume_from
 from dhp.stages.config import Config, ConfigError, one_line, save_config
+from dhp.stages.node_probe import lost_nodes
 from dhp.stages.preemption import Preempted, Preemption
 from dhp.stages.watchdog import DataStalled, StepClock, StepHung
 
@@ -176,10 +177,10 @@ def fault_kind(error: Exception, trainer) -> str | None:
         return "the data pipeline stalled"
     if trainer is None or not isinstance(error, ray.exceptions.RayError):
         return None
-    if _lost_node(trainer):
+    if _lost_node(trainer, probe=False):
         return "a node died"
-    if isinstance(error, ray.exceptions.RayActorError):
-        return "a stage actor died"
+    if isinstance(error, ray.exceptions.RayActorError):  # an actor died: was its node lost with it?
+        return "a node died" if _lost_node(trainer) else "a stage actor died"
     actors = [a for _, pool in trainer.pools() for a in pool.actors] + trainer.loaders
     try:
         ray.get([a.__ray_ready__.remote() for a in actors], timeout=10)
@@ -191,28 +192,13 @@ def fault_kind(error: Exception, trainer) -> str | None:
 NODE_PROBE_S = 10.0  # how long a node that held ranks has to run a task before it counts as lost
 
 
-def _lost_node(trainer) -> bool:
-    """Has a node that holds one of the pools' ranks left the cluster? Ray lists a node as dead only once its
-    health checks have failed, seconds after the calls of its actors fail, so each node it still lists is asked
-    too: a task pinned to it that does not run within NODE_PROBE_S (or cannot be placed) means it is gone."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+def _lost_node(trainer, probe: bool = True) -> bool:
+    """Has a node that holds one of the pools' ranks left the cluster? Ray's node table says so only seconds
+    after the node's actors fail, so with `probe` each node is also asked (stages/node_probe.py)."""
     used = {w["node_id"] for ranks in trainer.where.values() for w in ranks}
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    if used - alive:
-        return True
-    probes = [_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-              for node in used]
-    ready, _ = ray.wait(probes, num_returns=len(probes), timeout=NODE_PROBE_S)
-    try:
-        return len(ready) < len(probes) or set(ray.get(ready)) != used
-    except ray.exceptions.RayError:
-        return True
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _here() -> str:
-    return ray.get_runtime_context().get_node_id()
+    if not probe:
+        return bool(used - {n["NodeID"] for n in ray.nodes() if n["Alive"]})
+    return bool(lost_nodes(used, NODE_PROBE_S))
 
 
 def _lines_before(path: Path, step: int) -> list[str]:

@@ -17,7 +17,8 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
     assert result["timings"].startswith("CPU timings") and result["model"] == "tiny"
     dhp, alone = result["rows"]
     assert (dhp["system"], alone["system"]) == ("dhp", "one process")
-    assert dhp["patches"] == alone["patches"] == 64 and dhp["text_tokens"] == alone["text_tokens"]
+    assert dhp["patches"] == alone["patches"] == 64 and dhp["sample_tokens"] == alone["sample_tokens"]
+    assert dhp["text_tokens"] == alone["text_tokens"] == 2 * dhp["sample_tokens"]  # a step's, from run_log
     for row in (dhp, alone):
         assert len(row["steps_s"]) == 1 + result["steps"] and row["step_s"] > 0
         assert row["vision_tokens_per_s"] == 2 * 64 / row["step_s"]

@@ -189,3 +189,22 @@ def test_a_late_stream_that_only_skips_says_why_while_it_reads(annotations, tmp_
         assert "too_long: " in out and "long.jsonl:" in out and "data.max_seq_len=8" in out
     finally:
         ray.kill(loader)
+
+
+def test_position_counts_the_batch_being_assembled(annotations):
+    """What the probe thread answers while a batch is assembled (no actor: the loader object itself): the records
+    taken for this batch, its skips by reason and the last one skipped; a new batch starts from nothing."""
+    from dhp.dataflow.loader import BatchLoader
+
+    settings = PreprocessSettings(str(annotations), min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=8)
+    loader = BatchLoader([str(annotations / "train.jsonl")], settings, architecture_config("tiny"),
+                         global_batch_size=4, microbatch_tokens=400, repeat=False)
+    rows = [{"source": f"train.jsonl:{i}", "part": 0, "error": error, "detail": f"d{i}", "sample": b""}
+            for i, error in enumerate(["too_long", "missing_image", "too_long"])]
+    loader.rows = iter(rows)
+    assert loader.position()["read"] == 0 and loader.position()["example"] is None
+    assert loader.next_batch() is None  # the stream ends without a usable record
+    where = loader.position()
+    assert (where["read"], where["skipped"]) == (3, {"too_long": 2, "missing_image": 1})
+    assert where["example"] == {"source": "train.jsonl:2", "error": "too_long", "detail": "d2"}
+    assert where["where"].startswith("epoch 0, 0 records into it")  # the epoch ended: its cursor was reset

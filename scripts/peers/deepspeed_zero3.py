@@ -84,7 +84,7 @@ def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
                                                 else [(f"{prefix}{k}", v)])]
 
 
-def _batch(sample: dict, dtype: Any) -> dict[str, Any]:
+def hf_batch(sample: dict, dtype: Any) -> dict[str, Any]:
     """One sample as `Qwen2_5_VLForConditionalGeneration.forward` takes it (what tests/test_parity.py feeds)."""
     from dhp.dataflow.packing import text_inputs, vision_inputs
 
@@ -143,7 +143,7 @@ def rank_main(args: argparse.Namespace) -> None:
     def train_one(sample: dict, count_saved: bool) -> tuple[Any, int, int]:
         """One DeepSpeed step on `sample`: (loss, its labelled tokens, bytes autograd kept for backward; 0
         unless `count_saved`: the saved-tensor hooks cost time)."""
-        batch = {k: v.to(device) for k, v in _batch(sample, dtype).items()}
+        batch = {k: v.to(device) for k, v in hf_batch(sample, dtype).items()}
         with SavedBytes(engine.module) if count_saved else contextlib.nullcontext() as saved:
             loss = engine(**batch).loss
         engine.backward(loss)
