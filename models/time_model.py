@@ -273,11 +273,10 @@ def _zero3_s(prof: Profile, cfg: Any, mc: Any, stage: str, bytes_model_s: float,
 
     vc, tc = mc.vision_config, mc.text_config
     units = (vc.depth + 1 if stage == "vision" else tc.num_hidden_layers) + 1  # blocks (+ merger), the root
-    shapes = _shapes(mc, stage)
-    numel = sum(math.prod(v) for v in shapes.values())
+    numel = _numel(mc, stage)
     back_units, back_numel = units, numel
     if backward_of is not None:
-        back_units, back_numel = 2, sum(math.prod(v) for n, v in shapes.items() if backward_of(n))
+        back_units, back_numel = 2, sum(math.prod(v) for n, v in _shapes(mc, stage).items() if backward_of(n))
     if not (prof.zero3_unit_s and prof.zero3_s_per_byte):
         return bytes_model_s / 3, 2 * bytes_model_s / 3 * back_numel / numel
     b = precision_of(cfg.model.precision).param_bytes

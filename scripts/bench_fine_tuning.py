@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ def _rank_state(worker: Any) -> dict[str, Any]:
 def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: dict) -> dict[str, Any]:
     import ray
 
-    from dhp.scripts.bench_time_model import global_batches
+    from dhp.scripts.bench_time_model import global_batches, timed_steps
     from dhp.stages.config import load_config
     from dhp.stages.trainer import Trainer
 
@@ -49,11 +48,7 @@ def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: d
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
         batches = global_batches(sample, cfg, config, size["samples"] // trainer.dp, trainer.dp)
-        times = []
-        for _ in range(1 + size["steps"]):
-            start = time.perf_counter()
-            trainer.train_step(batches)
-            times.append(time.perf_counter() - start)
+        times, _ = timed_steps(trainer, batches, size["steps"])
         ray.get([a.measure_activations.remote(True) for a in actors])
         trainer.accumulate(batches)
         ray.get([ref for _, pool in trainer.pools() if pool.trains for ref in pool.sync_grads()])

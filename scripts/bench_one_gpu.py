@@ -88,7 +88,7 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
     """dhp's steps on pre-built batches: median step, per-call medians, each actor's peak, and the MFU peak."""
     import ray
 
-    from dhp.scripts.bench_time_model import global_batches
+    from dhp.scripts.bench_time_model import global_batches, timed_steps
     from dhp.stages.run_log import peak_of
     from dhp.stages.trainer import Trainer
 
@@ -96,15 +96,7 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
     try:
         batches = global_batches(sample, cfg, mc, microbatches, 1)
         ray.get([pool.actors[0].__ray_call__.remote(_reset_peak) for _, pool in trainer.pools()])
-        times = []
-        for _ in range(1 + steps):
-            start = time.perf_counter()
-            trainer.train_step(batches)
-            times.append(time.perf_counter() - start)
-        calls: dict[str, list[float]] = {}
-        for e in trainer.events:
-            if e["step"] > 1:
-                calls.setdefault(f"{e['stage']}.{e['name']}", []).append(e["end"] - e["start"])
+        times, calls = timed_steps(trainer, batches, steps)
         peaks = {stage: ray.get(pool.actors[0].__ray_call__.remote(_peak_bytes)) for stage, pool in trainer.pools()}
         peak = peak_of(cfg, trainer)
     finally:
@@ -112,7 +104,7 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
     if cfg.vision.num_gpus_per_actor:
         _wait_for_free_device()
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
-            "calls_s": {k: statistics.median(v) for k, v in sorted(calls.items())}, "peak_flops": peak.flops,
+            "calls_s": calls, "peak_flops": peak.flops,
             "batches": batches}
 
 
@@ -121,6 +113,7 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from dhp.models.activation_checkpointing import ActivationCheckpointing
     from dhp.models.precision import precision_of
     from dhp.scripts.peers.deepspeed_zero3 import hf_batch
 
@@ -131,7 +124,7 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     with device:  # initialized where it trains: a released shape's random init on the host takes minutes
         model = Qwen2_5_VLForConditionalGeneration._from_config(  # a copy: _from_config sets its dtype
             copy.deepcopy(mc), attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype).train()
-    if "none" not in (cfg.vision.activation_checkpointing, cfg.text.activation_checkpointing):
+    if all(ActivationCheckpointing.of(getattr(cfg, stage)).recomputes for stage in ("vision", "text")):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)

@@ -105,20 +105,26 @@ def measure_step(overrides: list[str], ckpt: Path, model_config: Any, sample: di
         f"training.global_batch_size={microbatches}", "training.warmup_steps=0", "pipeline.trace=true"])
     trainer = Trainer(cfg, model_config=model_config)
     try:
-        batches = global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp)
-        times = []
-        for _ in range(1 + steps):
-            start = time.perf_counter()
-            trainer.train_step(batches)
-            times.append(time.perf_counter() - start)
-        calls: dict[str, list[float]] = {}
-        for e in trainer.events:  # the measured steps' calls, by stage and kind: the model's per-call costs
-            if e["step"] > 1:
-                calls.setdefault(f"{e['stage']}.{e['name']}", []).append(e["end"] - e["start"])
+        times, calls = timed_steps(trainer, global_batches(sample, cfg, model_config, microbatches // trainer.dp,
+                                                           trainer.dp), steps)
     finally:
         trainer.shutdown()
-    return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times,
-            "calls_s": {k: statistics.median(v) for k, v in sorted(calls.items())}}
+    return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}
+
+
+def timed_steps(trainer: Any, batches: list[Any], steps: int) -> tuple[list[float], dict[str, float]]:
+    """Seconds of 1 + `steps` training steps on `batches` (the first a warm-up), and the median seconds of each
+    stage call (`stage.name`) over the measured ones: the model's per-call costs (`pipeline.trace=true`; else {})."""
+    times = []
+    for _ in range(1 + steps):
+        start = time.perf_counter()
+        trainer.train_step(batches)
+        times.append(time.perf_counter() - start)
+    calls: dict[str, list[float]] = {}
+    for e in trainer.events:
+        if e["step"] > 1:
+            calls.setdefault(f"{e['stage']}.{e['name']}", []).append(e["end"] - e["start"])
+    return times, {k: statistics.median(v) for k, v in sorted(calls.items())}
 
 
 def run(profile_path: str | None, quick: bool, steps: int | None = None,

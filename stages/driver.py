@@ -196,9 +196,7 @@ def _lost_node(trainer, probe: bool = True) -> bool:
     """Has a node that holds one of the pools' ranks left the cluster? Ray's node table says so only seconds
     after the node's actors fail, so with `probe` each node is also asked (stages/node_probe.py)."""
     used = {w["node_id"] for ranks in trainer.where.values() for w in ranks}
-    if not probe:
-        return bool(used - {n["NodeID"] for n in ray.nodes() if n["Alive"]})
-    return bool(lost_nodes(used, NODE_PROBE_S))
+    return bool(lost_nodes(used, NODE_PROBE_S if probe else None))
 
 
 def _lines_before(path: Path, step: int) -> list[str]:

@@ -17,10 +17,13 @@ def _here() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def lost_nodes(nodes: set[str], timeout_s: float) -> set[str]:
-    """Those of `nodes` (node ids) that Ray lists dead or that did not run a pinned task within `timeout_s`."""
+def lost_nodes(nodes: set[str], timeout_s: float | None) -> set[str]:
+    """Those of `nodes` (node ids) that Ray lists dead or that did not run a pinned task within `timeout_s` (None:
+    Ray's node table only, no probe)."""
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     listed = nodes & alive
+    if timeout_s is None:
+        return nodes - listed
     probes = [_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
               for node in listed]
     ready, pending = ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
