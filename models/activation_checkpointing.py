@@ -55,6 +55,11 @@ class ActivationCheckpointing:
         """Whether any block recomputes."""
         return self.mode != "none"
 
+    @property
+    def recomputes_all(self) -> bool:
+        """Whether every block recomputes: the least activation memory this setting can give."""
+        return self.mode == "full"
+
     def chosen(self, num_blocks: int) -> list[int]:
         """Indices of the blocks that recompute."""
         if self.mode == "none":

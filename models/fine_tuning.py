@@ -100,6 +100,10 @@ class FineTuning:
         """Whether any parameter of `stage` ("vision" | "text") trains: its pool runs backward and steps."""
         return any(g.trains for g in self.groups.values() if g.stage == stage)
 
+    def trains_all(self, stage: str) -> bool:
+        """Whether every parameter of `stage` trains (the default, `train: all`)."""
+        return self.trains(stage) and not self.partial(stage)
+
     def partial(self, stage: str) -> bool:
         """Whether some of `stage` is frozen: its checkpoints then hold only what trains, the rest is the base's."""
         if stage == "text" and self.lora is not None:

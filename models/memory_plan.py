@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.fine_tuning import FineTuning
 from dhp.models.lora import factor_shapes, target_names
 
@@ -198,7 +199,6 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
     """(bytes one rank of `stage` keeps for backward at the end of a micro-batch's forward, one block's
     working set) for `size` patches (vision: the replica's, the layout divides them) or tokens (text), with
     the configured layout, precision and activation checkpointing."""
-    from dhp.models.activation_checkpointing import ActivationCheckpointing
     from dhp.models.layout import VitShape
     from dhp.models.layouts import stage_layout
 
@@ -322,7 +322,7 @@ def advice(cfg: Any, result: dict[str, Any], model_config: Any) -> list[str]:
     """What would make an over-budget plan fit, largest lever first."""
     out = []
     for stage, r in result["ranks"].items():
-        if r.activation_checkpointing != "full" and r.activations > r.total / 4:
+        if not ActivationCheckpointing.of(getattr(cfg, stage)).recomputes_all and r.activations > r.total / 4:
             out.append(f"{stage}.activation_checkpointing=full (activations are {r.activations / GIB:.1f} GiB)")
     from dhp.models.precision import PRECISIONS, precision_of
 
@@ -354,7 +354,7 @@ def _fine_tuning_advice(cfg: Any, result: dict[str, Any], model_config: Any) -> 
     out = []
     gpu = None if result["device"] is None else result["device"] / GIB
     for stage, choice in (("text", "lora"), ("vision", "merger")):
-        if getattr(cfg, stage).train != "all":
+        if not FineTuning(cfg).trains_all(stage):
             continue
         other = copy.deepcopy(cfg)
         getattr(other, stage).train = choice

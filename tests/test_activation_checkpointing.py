@@ -16,6 +16,8 @@ def test_chosen_blocks():
     assert ActivationCheckpointing("none").chosen(6) == []
     assert ActivationCheckpointing("full").chosen(3) == [0, 1, 2]
     assert ActivationCheckpointing("every_n", 2).chosen(5) == [0, 2, 4]
+    modes = [ActivationCheckpointing(m, 2) for m in ("none", "full", "every_n")]
+    assert [(m.recomputes, m.recomputes_all) for m in modes] == [(False, False), (True, True), (True, False)]
     with pytest.raises(ValueError, match="choose one of none, full, every_n"):
         ActivationCheckpointing("some")
     with pytest.raises(ConfigError, match="text.activation_checkpointing_every"):

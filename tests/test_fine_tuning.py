@@ -98,3 +98,11 @@ def test_groups_follow_module_names_in_both_naming_schemes():
     lr = load_config("tiny").training.lr
     assert ft.groups["merger"].lr == pytest.approx(2.0 * lr) and ft.groups["text"].lr == pytest.approx(1.5 * lr)
     assert ft.groups["vision_blocks"].weight_decay == 0.2 and ft.groups["merger"].weight_decay == 0.0
+
+
+@pytest.mark.parametrize(("vision", "text", "all_of"), [
+    ("all", "all", {"vision", "text"}), ("merger", "lora", set()), ("none", "all", {"text"}),
+    ("all", "none", {"vision"})])
+def test_trains_all_is_the_default_choice_only(vision, text, all_of):
+    ft = FineTuning(load_config("tiny", [f"vision.train={vision}", f"text.train={text}"]))
+    assert {stage for stage in ("vision", "text") if ft.trains_all(stage)} == all_of
