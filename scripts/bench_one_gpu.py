@@ -85,27 +85,31 @@ def _wait_for_free_device(timeout_s: float = 120.0) -> None:
 
 
 def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
-    """dhp's steps on pre-built batches: median step, per-call medians, each actor's peak, and the MFU peak."""
+    """dhp's steps on pre-built batches: median step, per-call medians, each actor's peak, the MFU peak, the
+    median bubble and the boundary's seconds per micro-batch over the measured steps."""
     import ray
 
     from dhp.scripts.bench_time_model import global_batches, timed_steps
     from dhp.stages.run_log import peak_of
+    from dhp.stages.trace import boundary_seconds
     from dhp.stages.trainer import Trainer
 
     trainer = Trainer(cfg, model_config=mc)
+    metrics: list[dict] = []
     try:
         batches = global_batches(sample, cfg, mc, microbatches, 1)
         ray.get([pool.actors[0].__ray_call__.remote(_reset_peak) for _, pool in trainer.pools()])
-        times, calls = timed_steps(trainer, batches, steps)
+        times, calls = timed_steps(trainer, batches, steps, metrics)
         peaks = {stage: ray.get(pool.actors[0].__ray_call__.remote(_peak_bytes)) for stage, pool in trainer.pools()}
         peak = peak_of(cfg, trainer)
+        boundary = boundary_seconds(e for e in trainer.traced_events() if e["step"] > 1)  # the warm-up is step 1
     finally:
         trainer.shutdown()
     if cfg.vision.num_gpus_per_actor:
         _wait_for_free_device()
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
-            "calls_s": calls, "peak_flops": peak.flops,
-            "batches": batches}
+            "calls_s": calls, "peak_flops": peak.flops, "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
+            "boundary_s_per_microbatch": boundary, "batches": batches}
 
 
 def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
@@ -190,12 +194,16 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                         "side": side, "patches": patches(side), "sample_tokens": length, "system": system,
                         "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
                         "calls_s": r.get("calls_s", {}),
+                        **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch") if k in r},
                         "planned_bytes": {s: p.total for s, p in predicted.items()} if cuda and system == "dhp" else {},
                         "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
                         "text_tokens_per_s": microbatches * length / r["step_s"],
                         **throughput(batches, mc, r["step_s"], dhp["peak_flops"]),
                     })
                 rows[-2]["ratio"] = rows[-1]["step_s"] / rows[-2]["step_s"]  # dhp's tokens/s over the loop's
+                # of dhp's step: both pools' rank 0 moving embeddings and gradients (they may overlap other work)
+                moved = dhp["boundary_s_per_microbatch"]["boundary_s"]
+                rows[-2]["boundary_share"] = microbatches * moved / dhp["step_s"]
     finally:
         if started:
             ray.shutdown()
@@ -208,16 +216,19 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} on {result['device']} ({result['timings']}), {result['microbatches']} micro-batches "
              f"a step, median of {result['steps']} steps", "",
              "| patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | peak GiB (planned) "
-             "| dhp / loop |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+             "| bubble | boundary ms/mb (share) | dhp / loop |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|"]
     for r in result["rows"]:
         peak = ", ".join(f"{k} {v / 2**30:.2f}" + (f" ({r['planned_bytes'][k] / 2**30:.2f})"
                                                    if k in r["planned_bytes"] else "")
                          for k, v in r["peak_bytes"].items())
         ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
+        bubble = f"{r['bubble']:.3f}" if "bubble" in r else ""
+        boundary = (f"{r['boundary_s_per_microbatch']['boundary_s'] * 1e3:.1f} ({r['boundary_share']:.1%})"
+                    if "boundary_share" in r else "")
         lines.append(f"| {r['patches']} | {r['system']} | {r['step_s']:.3f} | {r['vision_tokens_per_s']:.0f} | "
                      f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
-                     f"{ratio} |")
+                     f"{bubble} | {boundary} | {ratio} |")
     return "\n".join(lines)
 
 

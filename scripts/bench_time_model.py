@@ -112,14 +112,18 @@ def measure_step(overrides: list[str], ckpt: Path, model_config: Any, sample: di
     return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}
 
 
-def timed_steps(trainer: Any, batches: list[Any], steps: int) -> tuple[list[float], dict[str, float]]:
+def timed_steps(trainer: Any, batches: list[Any], steps: int,
+                metrics: list[dict] | None = None) -> tuple[list[float], dict[str, float]]:
     """Seconds of 1 + `steps` training steps on `batches` (the first a warm-up), and the median seconds of each
-    stage call (`stage.name`) over the measured ones: the model's per-call costs (`pipeline.trace=true`; else {})."""
+    stage call (`stage.name`) over the measured ones: the model's per-call costs (`pipeline.trace=true`; else {}).
+    `metrics`, if given, receives each step's `train_step` metrics."""
     times = []
     for _ in range(1 + steps):
         start = time.perf_counter()
-        trainer.train_step(batches)
+        step_metrics = trainer.train_step(batches)
         times.append(time.perf_counter() - start)
+        if metrics is not None:
+            metrics.append(step_metrics)
     calls: dict[str, list[float]] = {}
     for e in trainer.events:
         if e["step"] > 1:

@@ -8,10 +8,14 @@ each worker reports its squared norm, the driver adds them and hands every worke
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 from torch import nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
@@ -94,14 +98,18 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 
 def recorded(name: str):
-    """Time a worker method on the actor's timeline (trace.py); the micro-batch id is its first argument."""
+    """Time a worker method on the actor's timeline (trace.py); the micro-batch id is its first argument.
+    On a GPU the call ends when its kernels have: a backward returns with them still queued, and the
+    timeline (and the bubble) would otherwise charge them to whichever call synchronizes next."""
 
     def wrap(method):
         @functools.wraps(method)
         def timed(self, *args, **kwargs):
             mb = args[0] if args and isinstance(args[0], int) and name != "optimizer_step" else -1
             with self.recorder.record(name, mb):
-                return method(self, *args, **kwargs)
+                out = method(self, *args, **kwargs)
+                self.synchronize()
+                return out
 
         return timed
 
@@ -126,7 +134,7 @@ class StageWorker(DistributedWorker):
 
         Runs after the process groups exist, since the parallel layouts need them.
         """
-        self.recorder = EventRecorder(self.stage, self.rank)
+        self.recorder = EventRecorder(self.stage, self.rank, ray.get_runtime_context().get_worker_id())
         self.layout = stage_layout(self.cfg, self.stage, self.model_config)
         self.precision = precision_of(self.cfg.model.precision)
         self.fine_tuning = FineTuning(self.cfg)
@@ -246,6 +254,22 @@ class StageWorker(DistributedWorker):
         if not grads:
             return 0.0
         return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def moving(self) -> Iterator[None]:
+        """Count the body as the boundary's device <-> host copies (trace.py). The device's queued work is
+        waited for first, so that a copy is not charged with the compute before it."""
+        self.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            self.recorder.add_copy(time.perf_counter() - start)
 
     def drain_events(self, next_step: int) -> list[dict[str, Any]]:
         """The calls recorded since the last drain (trace.StageEvent dicts); later ones count as `next_step`."""

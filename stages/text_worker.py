@@ -106,7 +106,8 @@ class TextWorker(StageWorker):
         """
         if inputs is None:  # padding for a lockstep (ZeRO-3) replica: no data, every collective
             inputs, loss_scale = self._null_inputs(), 0.0
-        received = [s.to(self.device).requires_grad_(send_grads) for s in shards]
+        with self.moving():
+            received = [s.to(self.device).requires_grad_(send_grads) for s in shards]
         measuring = self._measured is not None
         with SavedBytes(self.model) if measuring else contextlib.nullcontext() as outside:
             loss = self._loss_sum(inputs, received) * loss_scale
@@ -115,7 +116,8 @@ class TextWorker(StageWorker):
         loss.backward()
         if not send_grads:
             return float(loss.detach())
-        return (float(loss.detach()), *shard_gradients(received))
+        with self.moving():
+            return (float(loss.detach()), *shard_gradients(received))
 
     @torch.no_grad()
     def forward_eval(self, inputs: dict[str, torch.Tensor], *shards: torch.Tensor) -> float:

@@ -2,10 +2,18 @@
 
 Times are `time.time()` wall clock: actors are separate processes, and only the wall clock is comparable
 across them (on one node exactly; across nodes up to clock skew).
+
+The boundary's cost (issue 14: the time per micro-batch moving embeddings and their gradients between the
+pools) has two parts. Inside a call, the device<->host copies of the crossing tensors: the actor adds them
+to the call's `copy_s` (`EventRecorder.add_copy`). Outside it, Ray's own work: deserializing the call's
+arguments (fetching the sender's tensors from the object store) before the body runs, and storing its
+return values after; Ray records both per task (`ray.timeline()`), and `attach_ray_transfers` copies them
+onto the calls as `receive_s` / `send_s`.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -27,22 +35,32 @@ class StageEvent:
     start: float  # time.time() seconds
     end: float
     step: int
+    worker: str = ""  # Ray's worker id of the actor: the key of its tasks in `ray.timeline()`
+    copy_s: float = 0.0  # of [start, end]: boundary tensors copied between the device and the host
+    receive_s: float = 0.0  # before start: Ray deserializing the call's arguments (attach_ray_transfers)
+    send_s: float = 0.0  # after end: Ray storing the call's return values
 
 
 class EventRecorder:
     """One per actor: `with recorder.record("forward", mb): ...` times the body; set `recorder.step = n`."""
 
-    def __init__(self, stage: str, rank: int):
-        self.stage, self.rank, self.step = stage, rank, 0
+    def __init__(self, stage: str, rank: int, worker: str = ""):
+        self.stage, self.rank, self.step, self.worker = stage, rank, 0, worker
         self._events: list[StageEvent] = []
+        self._copy_s = 0.0
 
     @contextmanager
     def record(self, name: str, mb: int = -1) -> Iterator[None]:
-        start = time.time()
+        start, self._copy_s = time.time(), 0.0
         try:
             yield
         finally:  # a failed call still occupied the actor: keep it on the timeline
-            self._events.append(StageEvent(self.stage, self.rank, name, mb, start, time.time(), self.step))
+            self._events.append(StageEvent(self.stage, self.rank, name, mb, start, time.time(), self.step,
+                                           self.worker, self._copy_s))
+
+    def add_copy(self, seconds: float) -> None:
+        """Count `seconds` of the call being recorded as boundary copies (device <-> host)."""
+        self._copy_s += seconds
 
     def drain(self) -> list[dict[str, Any]]:
         """The events so far as plain dicts (cheap to send through Ray), forgetting them here."""
@@ -90,6 +108,76 @@ def busy_fractions(events: Iterable[StageEvent | dict[str, Any]], start: float, 
     return {"vision_busy": busy["vision"], "text_busy": busy["text"], "bubble": 1.0 - max(busy.values())}
 
 
+BOUNDARY_CALLS = {("vision", "forward"), ("text", "forward_backward"), ("vision", "backward")}  # what crosses
+
+
+def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_events: list[dict[str, Any]],
+                         slack_s: float = 2e-3) -> tuple[list[dict[str, Any]], int]:
+    """`events` with `receive_s` / `send_s` taken from Ray's task profile, and how many found no Ray task.
+
+    `ray_events` is `ray.timeline()`: per task, one "task::<Class>.<method>" slice on the thread
+    "worker:<worker id>", spanning "task:deserialize_arguments", "task:execute" and "task:store_outputs"
+    (microseconds since the epoch, the clock `time.time()` reads). A call belongs to the task of its actor's
+    worker whose slice contains it (within `slack_s`). Workers report to Ray about once a second, so the
+    latest calls may not be there yet: the count lets a caller wait for them.
+    """
+    tasks: dict[str, list[tuple[float, float]]] = {}
+    parts: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in ray_events:
+        if r.get("ph") != "X":
+            continue
+        span = (r["ts"] / 1e6, (r["ts"] + r["dur"]) / 1e6)
+        if str(r.get("cat", "")).startswith("task::"):
+            tasks.setdefault(r["tid"], []).append(span)
+        elif r.get("cat") in ("task:deserialize_arguments", "task:store_outputs"):
+            parts.setdefault((r["tid"], r["cat"]), []).append(span)
+    for spans in (*tasks.values(), *parts.values()):
+        spans.sort()
+
+    def within(tid: str, cat: str, lo: float, hi: float) -> float:
+        spans = parts.get((tid, cat), [])
+        total = 0.0
+        for s, e in spans[bisect.bisect_left(spans, (lo - slack_s,)):]:
+            if s > hi + slack_s:
+                break
+            total += (e - s) * (e <= hi + slack_s)
+        return total
+
+    out, missing = [], 0
+    for e in map(_as_event, events):
+        tid = f"worker:{e.worker}"
+        spans = tasks.get(tid, [])
+        i = bisect.bisect_right(spans, (e.start + slack_s, float("inf"))) - 1
+        if e.worker and i >= 0 and spans[i][1] + slack_s >= e.end:
+            lo, hi = spans[i]
+            e = StageEvent(**{**asdict(e), "receive_s": within(tid, "task:deserialize_arguments", lo, e.start),
+                              "send_s": within(tid, "task:store_outputs", e.end, hi)})
+        else:
+            missing += 1
+        out.append(asdict(e))
+    return out, missing
+
+
+def boundary_seconds(events: Iterable[StageEvent | dict[str, Any]]) -> dict[str, float]:
+    """Seconds per micro-batch that rank 0 of each pool spends moving embeddings and their gradients across
+    the boundary: `copy_s` (device <-> host inside the calls) and `ray_s` (Ray storing the vision forward's
+    and the text call's outputs, deserializing the text call's and the vision backward's arguments; the text
+    call's arguments also carry its token ids, a few KiB). The vision forward's arguments (pixels from the
+    loader) are not the boundary's. Ray's parts need `attach_ray_transfers` first; else they read 0.
+    """
+    copy_s = ray_s = 0.0
+    microbatches = set()
+    for e in map(_as_event, events):
+        if e.rank != 0 or e.mb < 0 or (e.stage, e.name) not in BOUNDARY_CALLS:
+            continue
+        copy_s += e.copy_s
+        ray_s += (e.name != "forward") * e.receive_s + (e.name != "backward") * e.send_s
+        if e.stage == "text":
+            microbatches.add((e.step, e.mb))
+    n = max(1, len(microbatches))
+    return {"copy_s": copy_s / n, "ray_s": ray_s / n, "boundary_s": (copy_s + ray_s) / n}
+
+
 def write_chrome_trace(events: Iterable[StageEvent | dict[str, Any]], path: str | Path) -> None:
     """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one process per pool, one thread per rank.
 
@@ -98,7 +186,7 @@ def write_chrome_trace(events: Iterable[StageEvent | dict[str, Any]], path: str 
     ts/dur are microseconds from the earliest event's start.
     """
     evs = sorted(map(_as_event, events), key=lambda e: e.start)
-    origin = evs[0].start if evs else 0.0
+    origin = min((e.start - e.receive_s for e in evs), default=0.0)
     seen = {e.stage for e in evs}
     order = [s for s in STAGES if s in seen] + sorted(seen - set(STAGES))  # pools in pipeline order
     pids = {stage: i + 1 for i, stage in enumerate(order)}
@@ -111,16 +199,21 @@ def write_chrome_trace(events: Iterable[StageEvent | dict[str, Any]], path: str 
             {"name": "thread_name", "ph": "M", "pid": pids[stage], "tid": rank, "args": {"name": f"rank {rank}"}}
         )
     for e in evs:
-        trace.append(
-            {
-                "name": e.name,  # not per-mb: Perfetto aggregates slices by name; mb is in args
-                "cat": e.stage,
-                "ph": "X",
-                "pid": pids[e.stage],
-                "tid": e.rank,
-                "ts": (e.start - origin) * 1e6,
-                "dur": max(0.0, e.end - e.start) * 1e6,
-                "args": {"mb": e.mb, "step": e.step},
-            }
-        )
+        # Ray's argument and return transfers, where attached, as slices just before and after the call.
+        for name, start, end in (("receive", e.start - e.receive_s, e.start), (e.name, e.start, e.end),
+                                 ("send", e.end, e.end + e.send_s)):
+            if end > start or name == e.name:
+                trace.append(
+                    {
+                        "name": name,  # not per-mb: Perfetto aggregates slices by name; mb is in args
+                        "cat": e.stage,
+                        "ph": "X",
+                        "pid": pids[e.stage],
+                        "tid": e.rank,
+                        "ts": (start - origin) * 1e6,
+                        "dur": max(0.0, end - start) * 1e6,
+                        "args": {"mb": e.mb, "step": e.step,
+                                 **({"copy_s": e.copy_s} if name == e.name else {"call": e.name})},
+                    }
+                )
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))

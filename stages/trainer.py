@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import time
@@ -35,7 +36,7 @@ from dhp.stages.routing import route
 from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
 from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
-from dhp.stages.trace import STEP_TAIL, busy_fractions, write_chrome_trace
+from dhp.stages.trace import STEP_TAIL, attach_ray_transfers, busy_fractions, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
 from dhp.stages.watchdog import StepClock, StepHung, wait_for_data, wait_or_hang
 
@@ -255,8 +256,25 @@ class Trainer:
         end = max((e["end"] for e in compute), default=wall_start)
         return {k: round(v, 4) for k, v in busy_fractions(compute, wall_start, end).items()}
 
+    def traced_events(self, wait_s: float = 5.0) -> list[dict]:
+        """Every stage call so far (`pipeline.trace`) with Ray's argument and return transfers attached
+        (trace.attach_ray_transfers). Workers report those to Ray about once a second: this waits up to
+        `wait_s` for the latest. Ray keeps a bounded number of task events (RAY_task_events_max_num_task_in_gcs,
+        100 000 by default): calls older than that keep transfers of 0."""
+        state_log = logging.getLogger("ray._private.state")
+        level, deadline = state_log.level, time.monotonic() + wait_s
+        state_log.setLevel(logging.ERROR)  # its notice that ray.timeline() will read from the dashboard later on
+        try:
+            while True:
+                events, missing = attach_ray_transfers(self.events, ray.timeline())
+                if not missing or time.monotonic() > deadline:
+                    return events
+                time.sleep(0.25)
+        finally:
+            state_log.setLevel(level)
+
     def write_trace(self, path: Path) -> None:
-        write_chrome_trace(self.events, path)
+        write_chrome_trace(self.traced_events(), path)
 
     def evaluate(self) -> float | None:
         """Mean loss per label token over the first `training.eval_batches` held-out global batches."""

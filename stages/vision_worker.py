@@ -59,7 +59,8 @@ class VisionWorker(StageWorker):
             self._measured.append({"patches": patches, "bytes": saved.total})
         if embeds.requires_grad:
             self.pending[mb_id] = embeds
-        return embeds.detach().float().cpu()
+        with self.moving():
+            return embeds.detach().float().cpu()
 
     @recorded("backward")
     def backward(self, mb_id: int, grad: torch.Tensor | None) -> int:
@@ -69,7 +70,9 @@ class VisionWorker(StageWorker):
             grad = torch.zeros_like(embeds) if grad is None else grad
             # Even an empty SP shard runs its backward: its graph holds the all-to-alls the other ranks
             # of the replica are about to join (invariant 2).
-            embeds.backward(grad.to(device=embeds.device, dtype=embeds.dtype))
+            with self.moving():
+                grad = grad.to(device=embeds.device, dtype=embeds.dtype)
+            embeds.backward(grad)
         return mb_id
 
     @torch.no_grad()

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from dhp.stages.schedule import pipeline_schedule, simulate
-from dhp.stages.trace import EventRecorder, StageEvent, busy_fractions, write_chrome_trace
+from dhp.stages.trace import (
+    EventRecorder,
+    StageEvent,
+    attach_ray_transfers,
+    boundary_seconds,
+    busy_fractions,
+    write_chrome_trace,
+)
 
 
 def ev(stage: str, start: float, end: float, rank: int = 0, name: str = "forward", mb: int = 0) -> StageEvent:
@@ -17,23 +24,28 @@ def ev(stage: str, start: float, end: float, rank: int = 0, name: str = "forward
 def test_recorder_records_and_drains(monkeypatch):
     clock = iter([10.0, 10.5, 11.0, 12.25, 13.0, 13.5])
     monkeypatch.setattr("dhp.stages.trace.time.time", lambda: next(clock))
-    rec = EventRecorder("vision", rank=3)
+    rec = EventRecorder("vision", rank=3, worker="w3")
     with rec.record("forward", 0):
-        pass
+        rec.add_copy(0.125)
+        rec.add_copy(0.0625)
     rec.step = 7
     with rec.record("optimizer_step"):
         pass
     events = rec.drain()
+    no_ray = {"worker": "w3", "receive_s": 0.0, "send_s": 0.0}
     assert events == [
-        {"stage": "vision", "rank": 3, "name": "forward", "mb": 0, "start": 10.0, "end": 10.5, "step": 0},
-        {"stage": "vision", "rank": 3, "name": "optimizer_step", "mb": -1, "start": 11.0, "end": 12.25, "step": 7},
+        {"stage": "vision", "rank": 3, "name": "forward", "mb": 0, "start": 10.0, "end": 10.5, "step": 0,
+         "copy_s": 0.1875, **no_ray},
+        {"stage": "vision", "rank": 3, "name": "optimizer_step", "mb": -1, "start": 11.0, "end": 12.25, "step": 7,
+         "copy_s": 0.0, **no_ray},  # each call counts its own copies
     ]
     assert all(type(e) is dict for e in events)  # plain dicts: cheap through Ray
     assert rec.drain() == []
     with pytest.raises(RuntimeError, match="boom"), rec.record("backward", 2):  # a failed call is still recorded
         raise RuntimeError("boom")
     assert rec.drain() == [
-        {"stage": "vision", "rank": 3, "name": "backward", "mb": 2, "start": 13.0, "end": 13.5, "step": 7}
+        {"stage": "vision", "rank": 3, "name": "backward", "mb": 2, "start": 13.0, "end": 13.5, "step": 7,
+         "copy_s": 0.0, **no_ray}
     ]
 
 
@@ -108,7 +120,8 @@ def test_chrome_trace(tmp_path):
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert threads == {(1, 0): "rank 0", (1, 1): "rank 1", (2, 0): "rank 0"}
     assert len(complete) == 4
-    got = sorted((e["pid"], e["tid"], e["name"], e["ts"], e["dur"], *e["args"].values()) for e in complete)
+    got = sorted((e["pid"], e["tid"], e["name"], e["ts"], e["dur"], e["args"]["mb"], e["args"]["step"])
+                 for e in complete)
     assert got == [  # ts relative to the earliest start (1000.0), microseconds
         (1, 0, "forward", 0.0, 500000.0, 0, 3),
         (1, 0, "optimizer_step", 2000000.0, 0.0, -1, 3),
@@ -116,7 +129,63 @@ def test_chrome_trace(tmp_path):
         (2, 0, "forward_backward", 500000.0, 1000000.0, 0, 3),
     ]
     assert all(e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in pids for e in complete)
-    assert all(list(e["args"]) == ["mb", "step"] for e in complete)
+    assert all(list(e["args"]) == ["mb", "step", "copy_s"] for e in complete)
+
+
+def _ray_task(tid: str, start: float, receive: float, execute: float, send: float) -> list[dict]:
+    """One task as `ray.timeline()` lists it: microseconds since the epoch, its parts inside its slice."""
+    us = 1e6
+
+    def part(cat: str, s: float, d: float) -> dict:
+        return {"cat": cat, "name": cat, "ph": "X", "pid": "192.0.2.2", "tid": tid, "ts": s * us, "dur": d * us,
+                "args": {}}
+
+    return [part("task:deserialize_arguments", start, receive), part("task:execute", start + receive, execute),
+            part("task:store_outputs", start + receive + execute, send),
+            {**part("task::TextWorker.forward_backward", start, receive + execute + send), "name": "forward_backward"}]
+
+
+def test_ray_transfers_attach_to_the_call_of_the_same_worker_and_time():
+    ray_events = [*_ray_task("worker:w1", 100.0, 0.25, 1.0, 0.5), *_ray_task("worker:w1", 102.0, 0.125, 1.0, 0.0625),
+                  *_ray_task("worker:w2", 100.0, 3.0, 1.0, 3.0), {"ph": "i", "name": "instant"}]
+    events = [ev("text", 100.25, 101.25, name="forward_backward"), ev("text", 102.125, 103.125, mb=1),
+              ev("text", 104.0, 104.5, mb=2)]  # a call Ray has not reported yet
+    for e in events:
+        e.worker = "w1"
+    events.append(ev("vision", 100.1, 100.2))  # no worker id: cannot be matched
+    got, missing = attach_ray_transfers(events, ray_events)
+    assert missing == 2
+    assert [(e["receive_s"], e["send_s"]) for e in got] == [(0.25, 0.5), (0.125, 0.0625), (0.0, 0.0), (0.0, 0.0)]
+    assert [e["start"] for e in got] == [e.start for e in events] and all(type(e) is dict for e in got)
+
+
+def test_boundary_seconds_per_microbatch():
+    def call(stage: str, name: str, mb: int, rank: int = 0, step: int = 0) -> StageEvent:
+        return StageEvent(stage, rank, name, mb, 0.0, 1.0, step, "w", copy_s=0.01, receive_s=0.1, send_s=0.2)
+
+    events = []
+    for step in (2, 3):
+        for mb in (0, 1):
+            events += [call("vision", "forward", mb, step=step), call("text", "forward_backward", mb, step=step),
+                       call("vision", "backward", mb, step=step), call("text", "forward_backward", mb, 1, step)]
+        events.append(call("vision", "optimizer_step", -1, step=step))
+    got = boundary_seconds(events)
+    # per micro-batch: 3 calls' copies; vision forward's send + text's receive and send + vision backward's receive
+    assert got["copy_s"] == pytest.approx(0.03) and got["ray_s"] == pytest.approx(0.2 + 0.1 + 0.2 + 0.1)
+    assert got["boundary_s"] == pytest.approx(got["copy_s"] + got["ray_s"])
+    assert boundary_seconds([]) == {"copy_s": 0.0, "ray_s": 0.0, "boundary_s": 0.0}
+
+
+def test_chrome_trace_shows_ray_transfers_around_the_call(tmp_path):
+    e = StageEvent("text", 0, "forward_backward", 0, 1000.5, 1001.5, 3, "w", copy_s=0.125, receive_s=0.25,
+                   send_s=0.5)
+    write_chrome_trace([e, StageEvent("vision", 0, "forward", 0, 1000.5, 1000.75, 3)], tmp_path / "t.json")
+    complete = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    got = sorted((e["cat"], e["name"], e["ts"], e["dur"]) for e in complete)
+    assert got == [("text", "forward_backward", 250000.0, 1000000.0), ("text", "receive", 0.0, 250000.0),
+                   ("text", "send", 1250000.0, 500000.0), ("vision", "forward", 250000.0, 250000.0)]
+    assert next(e for e in complete if e["name"] == "forward_backward")["args"]["copy_s"] == 0.125
+    assert {e["args"]["call"] for e in complete if e["name"] in ("receive", "send")} == {"forward_backward"}
 
 
 def test_chrome_trace_of_recorded_events_and_empty(tmp_path):

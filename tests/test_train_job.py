@@ -113,4 +113,6 @@ def test_hybrid_layout_runs_from_the_command_line(tmp_path):
     assert sum(e["name"] == "optimizer_step" for e in calls) == 4 * 8
     mbs = sum(r["microbatches"] for r in records)
     assert sum(e["name"] == "forward_backward" for e in calls) == 2 * mbs  # each text rank of the replica
+    # Ray's argument transfers (ray.timeline(), matched by worker and time) as slices before the calls.
+    assert sum(e["name"] == "receive" and e["args"]["call"] == "forward_backward" for e in calls) == 2 * mbs
     assert "placement: disjoint" in proc.stdout
