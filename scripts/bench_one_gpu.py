@@ -1,20 +1,23 @@
 """`dhp bench one-gpu`: dhp on one device against the loop a user would write instead (issue 14, items 3 and 4).
 
     dhp bench one-gpu --json runs/bench/one_gpu.json [--quick] [--model qwen2_5_vl_3b] [--sides 448,896,1792]
-                      [--steps 20] [--microbatches 2]
+                      [--steps 20] [--microbatches 2] [--precision fp32|bf16]
 
 Systems, on the same device, one after the other in the same process tree:
   dhp           a vision actor and a text actor sharing the device (`pipeline.placement=shared`, half a GPU
-                each), the model preset's precision and activation checkpointing, `Trainer.train_step` on
+                each), one precision for the whole run (`choose_precision`: the preset's fp32 master weights
+                if `dhp plan` fits them on the device at the largest image, else pure bf16; the 3B's fp32
+                states alone are 60 GB) and the preset's activation checkpointing, `Trainer.train_step` on
                 pre-built global batches (the data pipeline is `dhp bench data`'s subject, not this one's).
   one process   transformers' `Qwen2_5_VLForConditionalGeneration`, the same precision (fp32 master weights under
                 bf16 autocast, or pure bf16), `gradient_checkpointing_enable()` where dhp checkpoints, AdamW with
                 dhp's hyper-parameters and clipping, the same micro-batches accumulated into one step.
 
 Per image side (448, 896, 1792 px: 1 024, 4 096, 16 384 patches) and system: the median step after one warm-up
-step, vision tokens/s (ViT patches), text tokens/s (decoder tokens, image placeholders included), model TFLOP/s
-and MFU (`run_log.throughput`, dhp's own FLOP count and peak), and peak memory: on a GPU
-`torch.cuda.max_memory_allocated` of each process, next to `dhp plan`'s prediction per actor; on a CPU the
+step, vision tokens/s (ViT patches), text tokens/s (decoder tokens, image placeholders included), model TFLOP/s and
+MFU (`run_log.throughput`, dhp's own FLOP count and peak), dhp's bubble and the milliseconds per micro-batch its
+pools spend moving embeddings and gradients across the boundary (`trace.boundary_seconds`), and peak memory: on a
+GPU `torch.cuda.max_memory_allocated` of each process, next to `dhp plan`'s prediction per actor; on a CPU the
 processes' peak RSS (mostly libraries: no prediction is compared). `ratio` is dhp's tokens/s over the one-process
 loop's (the issue's goal: >= 0.95). Weights are random (no released weights offline): speed does not depend on
 their values. Without `--model` the tiny architecture runs, which is what CI checks on CPU; CPU timings are
@@ -159,8 +162,30 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": {"process": peak}}
 
 
+def choose_precision(base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None,
+                     asked: str | None = None) -> str:
+    """`asked`, else the preset's precision if `dhp plan` fits it on `device_gib` at `patches` (the largest image
+    of the run), else pure bf16: fp32 master weights take 16 bytes a parameter, 60 GB for the 3B's 3.75 B, too
+    much beside 16 k-patch activations on an 80 GB GPU. Raises when not even bf16 fits (a bench that would run
+    out of memory on the device after spending its time). No device (CPU): the preset's."""
+    from dhp.models.memory_plan import GIB, plan
+    from dhp.stages.config import load_config
+
+    if asked or device_gib is None:
+        return asked or load_config(base, settings).model.precision
+    tried = []
+    for name in dict.fromkeys([load_config(base, settings).model.precision, "bf16"]):
+        cfg = load_config(base, [*settings, f"model.precision={name}"])
+        result = plan(cfg, mc, device_gib, vision_patches=patches)
+        if result["fits"]:
+            return name
+        tried.append(f"{name}: {result['per_device'] / GIB:.1f} GiB")
+    raise ValueError(f"the plan fits no precision on this {device_gib:.0f} GiB device at {patches} patches "
+                     f"({'; '.join(tried)}): ask for smaller --sides")
+
+
 def run(quick: bool, model: str | None = None, sides: list[int] | None = None, steps: int | None = None,
-        microbatches: int = 2) -> dict[str, Any]:
+        microbatches: int = 2, precision: str | None = None) -> dict[str, Any]:
     import ray
     import torch
 
@@ -173,18 +198,23 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
     cuda = torch.cuda.is_available()
     sides = list(sides or (QUICK_SIDES if quick else SIDES))
     steps = steps or (2 if quick else 20)
+    base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision and checkpointing
+    mc = model_config_of(load_config(base, [f"model.name={model}"] if model else []))
+    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            samples = {side: image_sample(mc, side, Path(tmp)) for side in sides}
+            settings = {side: _settings(model, len(samples[side]["input_ids"]), microbatches, cuda) for side in sides}
+            largest = max(sides)
+            precision = choose_precision(base, settings[largest], mc, patches(largest), device_gib, precision)
+            print(f"precision: {precision}", flush=True)
             for side in sides:
-                base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision and checkpointing
-                mc = model_config_of(load_config(base, [f"model.name={model}"] if model else []))
-                sample = image_sample(mc, side, Path(tmp))
-                length = len(sample["input_ids"])
-                cfg = load_config(base, _settings(model, length, microbatches, cuda))
+                sample, length = samples[side], len(samples[side]["input_ids"])
+                cfg = load_config(base, [*settings[side], f"model.precision={precision}"])
                 predicted = plan(cfg, mc, vision_patches=patches(side))["ranks"]
                 dhp = run_dhp(cfg, mc, sample, microbatches, steps)
                 alone = run_one_process(cfg, mc, sample, microbatches, steps)
@@ -209,12 +239,13 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
             ray.shutdown()
     return {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
             "timings": "GPU" if cuda else "CPU timings (not GPU figures)", "torch": torch.__version__,
-            "model": model or "tiny", "microbatches": microbatches, "steps": steps, "rows": rows}
+            "model": model or "tiny", "precision": precision, "device_gib": device_gib,
+            "microbatches": microbatches, "steps": steps, "rows": rows}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} on {result['device']} ({result['timings']}), {result['microbatches']} micro-batches "
-             f"a step, median of {result['steps']} steps", "",
+    lines = [f"{result['model']} on {result['device']} ({result['timings']}), {result['precision']}, "
+             f"{result['microbatches']} micro-batches a step, median of {result['steps']} steps", "",
              "| patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | peak GiB (planned) "
              "| bubble | boundary ms/mb (share) | dhp / loop |",
              "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|"]
@@ -234,7 +265,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     sides = [int(s) for s in args.sides.split(",")] if args.sides else None
-    result = run(args.quick, args.model, sides, args.steps, args.microbatches)
+    result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision)
     if args.json:
         write_json(args.json, result)
     print(table(result))
@@ -250,3 +281,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--sides", default=None, help="image sides in px, comma-separated (default 448,896,1792)")
     p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up (default 20)")
     p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16"],
+                   help="model.precision for both systems (default: the preset's if `dhp plan` fits it on the "
+                        "device at the largest side, else bf16)")

@@ -6,15 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from dhp.scripts.bench_one_gpu import main
 
 
 def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_path, capsys):
     path = tmp_path / "one_gpu.json"
-    args = argparse.Namespace(json=str(path), quick=True, model=None, sides=None, steps=None, microbatches=2)
+    args = argparse.Namespace(json=str(path), quick=True, model=None, sides=None, steps=None, microbatches=2,
+                              precision=None)
     assert main(args) == 0
     result = json.loads(path.read_text())
     assert result["timings"].startswith("CPU timings") and result["model"] == "tiny"
+    assert result["precision"] == "fp32" and result["device_gib"] is None  # no device: the preset's
     dhp, alone = result["rows"]
     assert (dhp["system"], alone["system"]) == ("dhp", "one process")
     assert dhp["patches"] == alone["patches"] == 64 and dhp["sample_tokens"] == alone["sample_tokens"]
@@ -33,3 +37,20 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
     assert dhp["boundary_share"] == 2 * moved["boundary_s"] / dhp["step_s"] < 1
     assert "| 64 | dhp |" in capsys.readouterr().out
     assert ray_session.is_initialized()  # the session's Ray, left running
+
+
+def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():
+    """What the device run will choose for the 3B (fp32 master states are 60 GB: they do not fit an 80 GB H100
+    beside 16 k-patch activations), decided by the plan alone, so checked here without a GPU."""
+    from dhp.scripts.bench_one_gpu import _settings, choose_precision
+    from dhp.stages.config import load_config
+    from dhp.stages.trainer import model_config_of
+
+    mc = model_config_of(load_config("qwen2_5_vl_7b", ["model.name=qwen2_5_vl_3b"]))
+    settings = _settings("qwen2_5_vl_3b", 4128, 2, cuda=True)
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 1024, device_gib=200.0) == "fp32"
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=78.0) == "bf16"
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=78.0, asked="fp32") == "fp32"
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=None) == "fp32"  # no device: preset's
+    with pytest.raises(ValueError, match="fits no precision on this 20 GiB device at 16384 patches"):
+        choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=20.0)
