@@ -29,7 +29,9 @@ what a GPU would hold. The search climbs sides ~sqrt(2) apart and bisects the la
 (scripts/peers/probe.py); the pipelined order is timed only (it keeps up to `pipeline.max_in_flight`
 micro-batches' activations alive, which the serial search does not measure).
 
-Timings here are CPU timings on a 2-core machine with 2N + 1 processes, labelled so in the JSON.
+Timings here are CPU timings on a 2-core machine with 2N + 1 processes, labelled so in the JSON. Where GPUs are
+visible, every system runs on them, one rank per GPU (`gpu_settings`: N may not exceed the GPUs; on one GPU,
+`--ranks 1`), and the JSON says GPU timings.
 """
 
 from __future__ import annotations
@@ -67,6 +69,19 @@ def systems(n: int) -> dict[str, list[str] | None]:
     }
 
 
+def gpu_settings(n: int, gpus: int) -> list[str]:
+    """On a GPU machine, each system's N ranks on N GPUs: DeepSpeed's rank r on GPU r, dhp's vision actor r and text
+    actor r sharing GPU r (`pipeline.placement=shared`, half each). NCCL refuses two ranks of one communicator on
+    one GPU ("Duplicate GPU detected"), so N may not exceed the GPUs; on one GPU that is `--ranks 1`, where every
+    layout is one rank per pool and the comparison is of the systems' overheads and memory, not of parallelism."""
+    if not gpus:
+        return []
+    if n > gpus:
+        raise ValueError(f"--ranks {n} needs {n} GPUs (NCCL puts one rank of a group on each GPU) and this machine "
+                         f"has {gpus}: pass --ranks {gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) for the CPU run")
+    return ["vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5", "pipeline.placement=shared"]
+
+
 def bench_config():
     """The tiny text stage (4 layers, the real vocabulary) behind a ViT with the released block structure at a
     quarter of its width: 16 blocks, full attention in 7 and 15 (the released 1 in 8), 16 heads, D 256 and
@@ -99,7 +114,7 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
     longest = patches(max(sides, default=0)) // 4 + 256 if sides else len(timing["input_ids"])
     cfg = load_config("tiny", BASE + overrides + [
         f"model.path={ckpt}", f"data.microbatch_tokens={longest}", f"data.max_seq_len={longest}",
-        f"training.global_batch_size={n}"])
+        f"training.global_batch_size={n}"] + gpu_settings(n, _gpus()))
     trainer = Trainer(cfg, model_config=config)
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
@@ -136,6 +151,12 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
             "probes": probes, "largest_side": largest}
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def run_deepspeed(n: int, ckpt: Path, timing: dict, sides: list[int], cap: int, steps: int,
                   work: Path) -> dict[str, Any]:
     import torch
@@ -164,6 +185,7 @@ def run(quick: bool, n: int | None = None, cap_gib: float | None = None) -> dict
     from dhp.stages.driver import init_ray
 
     n = n or (2 if quick else N_RANKS)
+    gpu_settings(n, _gpus())  # refused before anything starts
     side = 112 if quick else 224
     sides = ladder(112, 336 if quick else 1568)
     cap = int((cap_gib or (0.35 if quick else 0.2)) * 2**30)
@@ -190,7 +212,8 @@ def run(quick: bool, n: int | None = None, cap_gib: float | None = None) -> dict
     longer = mine / ds if ds and mine else None
     uniform = results["dhp tensor / tensor"]
     return {
-        "device": f"cpu ({platform.machine()}, CPU timings)", "ranks": n, "quick": quick,
+        "device": (f"{_gpus()} x {torch.cuda.get_device_name()} (GPU timings; one rank per GPU)" if _gpus()
+                   else f"cpu ({platform.machine()}, CPU timings)"), "ranks": n, "quick": quick,
         "image_side_px": side, "image_patches": patches(side), "sides_searched": sides, "cap_bytes": cap,
         "cap_rule": "per rank: model state (params + grads + Adam moments as that rank holds them) + bytes its "
                     "autograd kept in the step (saved-tensor hooks); a probe fits when its worst rank is within",

