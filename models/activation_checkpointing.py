@@ -57,8 +57,8 @@ class ActivationCheckpointing:
 
     @property
     def recomputes_all(self) -> bool:
-        """Whether every block recomputes: the least activation memory this setting can give."""
-        return self.mode == "full"
+        """Whether every block recomputes (`full`, or `every_n` with N = 1): the least activation memory."""
+        return self.mode == "full" or (self.mode == "every_n" and self.every == 1)
 
     def chosen(self, num_blocks: int) -> list[int]:
         """Indices of the blocks that recompute."""

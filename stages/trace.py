@@ -14,6 +14,7 @@ onto the calls as `receive_s` / `send_s`.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -111,15 +112,22 @@ def busy_fractions(events: Iterable[StageEvent | dict[str, Any]], start: float, 
 BOUNDARY_CALLS = {("vision", "forward"), ("text", "forward_backward"), ("vision", "backward")}  # what crosses
 
 
-def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_events: list[dict[str, Any]],
-                         slack_s: float = 2e-3) -> tuple[list[dict[str, Any]], int]:
+ROUNDING_S = 1e-5  # microsecond floats of epoch seconds: comparisons allow for their rounding, nothing more
+
+
+def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]],
+                         ray_events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """`events` with `receive_s` / `send_s` taken from Ray's task profile, and how many found no Ray task.
 
     `ray_events` is `ray.timeline()`: per task, one "task::<Class>.<method>" slice on the thread
     "worker:<worker id>", spanning "task:deserialize_arguments", "task:execute" and "task:store_outputs"
-    (microseconds since the epoch, the clock `time.time()` reads). A call belongs to the task of its actor's
-    worker whose slice contains it (within `slack_s`). Workers report to Ray about once a second, so the
-    latest calls may not be there yet: the count lets a caller wait for them.
+    (microseconds since the epoch, the clock `time.time()` reads). A call belongs to the latest task of its
+    actor's worker that started before it and contains it: a heartbeat (another concurrency group of the same
+    worker) that started in between is passed over. Its receive is the deserialization that opens that task's
+    slice, its send the store that closes it: never a neighbour's, however short the calls. `receive_s` is the
+    deserializing: a pull of the arguments from another node's object store comes before it and is not in it.
+    Workers report to Ray about once a second, so the latest calls may not be there yet: the count lets a
+    caller wait for them.
     """
     tasks: dict[str, list[tuple[float, float]]] = {}
     parts: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -134,24 +142,35 @@ def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_even
     for spans in (*tasks.values(), *parts.values()):
         spans.sort()
 
-    def within(tid: str, cat: str, lo: float, hi: float) -> float:
+    def inside(tid: str, cat: str, lo: float, hi: float) -> list[tuple[float, float]]:
         spans = parts.get((tid, cat), [])
-        total = 0.0
-        for s, e in spans[bisect.bisect_left(spans, (lo - slack_s,)):]:
-            if s > hi + slack_s:
+        out = []
+        for s, e in spans[bisect.bisect_left(spans, (lo - ROUNDING_S,)):]:
+            if s > hi + ROUNDING_S:
                 break
-            total += (e - s) * (e <= hi + slack_s)
-        return total
+            if e <= hi + ROUNDING_S:
+                out.append((s, e))
+        return out
+
+    def length(span: tuple[float, float] | None) -> float:
+        return span[1] - span[0] if span else 0.0
 
     out, missing = [], 0
     for e in map(_as_event, events):
         tid = f"worker:{e.worker}"
-        spans = tasks.get(tid, [])
-        i = bisect.bisect_right(spans, (e.start + slack_s, float("inf"))) - 1
-        if e.worker and i >= 0 and spans[i][1] + slack_s >= e.end:
+        spans = tasks.get(tid, []) if e.worker else []
+        i = bisect.bisect_right(spans, (e.start + ROUNDING_S, float("inf"))) - 1
+        for _ in range(8):  # past heartbeats that started after the call's task and ended before the call
+            if i < 0 or spans[i][1] + ROUNDING_S >= e.end:
+                break
+            i -= 1
+        if i >= 0 and spans[i][1] + ROUNDING_S >= e.end:
             lo, hi = spans[i]
-            e = StageEvent(**{**asdict(e), "receive_s": within(tid, "task:deserialize_arguments", lo, e.start),
-                              "send_s": within(tid, "task:store_outputs", e.end, hi)})
+            received = inside(tid, "task:deserialize_arguments", lo, e.start)
+            sent = inside(tid, "task:store_outputs", e.end, hi)
+            # the task's own parts open and close its slice; a heartbeat's fall in between
+            e = dataclasses.replace(e, receive_s=length(min(received, default=None)),
+                                    send_s=length(max(sent, key=lambda se: se[1], default=None)))
         else:
             missing += 1
         out.append(asdict(e))
@@ -163,7 +182,9 @@ def boundary_seconds(events: Iterable[StageEvent | dict[str, Any]]) -> dict[str,
     the boundary: `copy_s` (device <-> host inside the calls) and `ray_s` (Ray storing the vision forward's
     and the text call's outputs, deserializing the text call's and the vision backward's arguments; the text
     call's arguments also carry its token ids, a few KiB). The vision forward's arguments (pixels from the
-    loader) are not the boundary's. Ray's parts need `attach_ray_transfers` first; else they read 0.
+    loader) are not the boundary's. Ray's parts need `attach_ray_transfers` first; else they read 0. Per micro-batch
+    of text rank 0; with several data-parallel replicas, vision rank 0 encodes only its share of them, so the sum
+    is one replica's view, exact for one actor per pool (`dhp bench one-gpu`).
     """
     copy_s = ray_s = 0.0
     microbatches = set()
@@ -183,7 +204,7 @@ def write_chrome_trace(events: Iterable[StageEvent | dict[str, Any]], path: str 
 
     pids are small integers labelled by "process_name" metadata rather than the stage name itself:
     Perfetto's JSON importer keys processes by integer pid, and pid 0 is special there, so they start at 1.
-    ts/dur are microseconds from the earliest event's start.
+    ts/dur are microseconds from the earliest start (of a call, or of Ray's receive before it).
     """
     evs = sorted(map(_as_event, events), key=lambda e: e.start)
     origin = min((e.start - e.receive_s for e in evs), default=0.0)

@@ -265,9 +265,12 @@ class Trainer:
         level, deadline = state_log.level, time.monotonic() + wait_s
         state_log.setLevel(logging.ERROR)  # its notice that ray.timeline() will read from the dashboard later on
         try:
+            latest = max((e["step"] for e in self.events), default=0)
             while True:
-                events, missing = attach_ray_transfers(self.events, ray.timeline())
-                if not missing or time.monotonic() > deadline:
+                events, _ = attach_ray_transfers(self.events, ray.timeline())
+                # only the latest step's calls can still arrive: older unmatched ones are gone for good
+                if all(e["step"] < latest or e["receive_s"] or e["send_s"] for e in events) \
+                        or time.monotonic() > deadline:
                     return events
                 time.sleep(0.25)
         finally:

@@ -18,6 +18,7 @@ def test_chosen_blocks():
     assert ActivationCheckpointing("every_n", 2).chosen(5) == [0, 2, 4]
     modes = [ActivationCheckpointing(m, 2) for m in ("none", "full", "every_n")]
     assert [(m.recomputes, m.recomputes_all) for m in modes] == [(False, False), (True, True), (True, False)]
+    assert ActivationCheckpointing("every_n", 1).recomputes_all  # every block, as `full`
     with pytest.raises(ValueError, match="choose one of none, full, every_n"):
         ActivationCheckpointing("some")
     with pytest.raises(ConfigError, match="text.activation_checkpointing_every"):

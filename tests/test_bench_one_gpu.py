@@ -33,7 +33,7 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
     assert dhp["ratio"] == alone["step_s"] / dhp["step_s"]
     assert 0 <= dhp["bubble"] <= 1
     moved = dhp["boundary_s_per_microbatch"]  # Ray's transfers of the shards and gradients are always timed
-    assert moved["ray_s"] > 0 and moved["boundary_s"] == moved["copy_s"] + moved["ray_s"]
+    assert moved["ray_s"] > 0 and moved["boundary_s"] == pytest.approx(moved["copy_s"] + moved["ray_s"])
     assert dhp["boundary_share"] == 2 * moved["boundary_s"] / dhp["step_s"] < 1
     assert "| 64 | dhp |" in capsys.readouterr().out
     assert ray_session.is_initialized()  # the session's Ray, left running

@@ -159,6 +159,24 @@ def test_ray_transfers_attach_to_the_call_of_the_same_worker_and_time():
     assert [e["start"] for e in got] == [e.start for e in events] and all(type(e) is dict for e in got)
 
 
+def test_ray_transfers_of_back_to_back_short_calls_stay_their_own():
+    """Calls of microseconds (a vision backward of a text-only micro-batch) between tasks a fraction of a millisecond
+    apart take their own task's transfers, not a neighbour's; a heartbeat (another concurrency group of the same
+    worker) that started after the call's task is passed over."""
+    ms = 1e-3
+    ray_events = [*_ray_task("worker:w", 100.0, 0.2 * ms, 0.05 * ms, 0.1 * ms),  # ends at 100.00035
+                  *_ray_task("worker:w", 100.0 + 0.65 * ms, 0.3 * ms, 1.0 * ms, 0.3 * ms),
+                  *_ray_task("worker:w", 100.0 + 2.3 * ms, 0.4 * ms, 5.0 * ms, 0.5 * ms),
+                  *_ray_task("worker:w", 100.0 + 2.8 * ms, 0.01 * ms, 0.01 * ms, 0.01 * ms)]  # a heartbeat
+    calls = [StageEvent("vision", 0, "backward", 0, 100.0 + 0.2 * ms, 100.0 + 0.25 * ms, 0, "w"),
+             StageEvent("vision", 0, "forward", 1, 100.0 + 0.95 * ms, 100.0 + 1.95 * ms, 0, "w"),
+             StageEvent("vision", 0, "forward", 2, 100.0 + 2.9 * ms, 100.0 + 7.7 * ms, 0, "w")]
+    got, missing = attach_ray_transfers(calls, ray_events)
+    assert missing == 0
+    assert [t for e in got for t in (e["receive_s"], e["send_s"])] == pytest.approx(
+        [0.2 * ms, 0.1 * ms, 0.3 * ms, 0.3 * ms, 0.4 * ms, 0.5 * ms], abs=1e-9)
+
+
 def test_boundary_seconds_per_microbatch():
     def call(stage: str, name: str, mb: int, rank: int = 0, step: int = 0) -> StageEvent:
         return StageEvent(stage, rank, name, mb, 0.0, 1.0, step, "w", copy_s=0.01, receive_s=0.1, send_s=0.2)
