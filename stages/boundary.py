@@ -4,8 +4,10 @@ Vision output layout (per data-parallel replica): `k` shards, one per vision ran
 sequence-parallel degree; 1 without SP, and 1 under vision tensor parallelism, where every TP rank ends
 with the same full merged sequence: rank 0's crosses, and its gradient is sent back to every TP rank,
 since the row-parallel merger's adjoint needs the full output gradient on each). Shard j is a tensor
-[n_j, D] of merged vision tokens (D = text hidden size); concatenated in rank order they are the
-replica's merged tokens in *window order*.
+[n_j, D] of merged vision tokens (D = text hidden size) in the dtype the merger computed it in (fp32; bf16
+under autocast or pure bf16: the text stage casts it to its embeddings' dtype, and its gradient comes back
+in the same dtype, the rounding the vision stage would apply anyway); concatenated in rank order they are
+the replica's merged tokens in *window order*.
 
 Text input layout: the full merged sequence [N, D], N = sum_j n_j = number of `<|image_pad|>` tokens of
 the micro-batch, in *raster order* (image after image, row-major inside an image), replicated on every

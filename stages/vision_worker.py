@@ -59,8 +59,8 @@ class VisionWorker(StageWorker):
             self._measured.append({"patches": patches, "bytes": saved.total})
         if embeds.requires_grad:
             self.pending[mb_id] = embeds
-        with self.moving():
-            return embeds.detach().float().cpu()
+        with self.moving():  # in the dtype it was computed in: bf16 under autocast, half fp32's bytes to move
+            return embeds.detach().cpu()
 
     @recorded("backward")
     def backward(self, mb_id: int, grad: torch.Tensor | None) -> int:
@@ -79,6 +79,6 @@ class VisionWorker(StageWorker):
     def forward_eval(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         self.model.eval()
         try:
-            return self._encode(inputs).float().cpu()
+            return self._encode(inputs).cpu()
         finally:
             self.model.train()

@@ -8,6 +8,7 @@ import copy
 import json
 
 import pytest
+import ray
 import torch
 
 from dhp.dataflow.loader import GlobalBatch
@@ -69,6 +70,9 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
                 assert r["optimizer"] == [want], (pool.name, rank, r["optimizer"])
                 assert 0 < r["params_with_state"] < r["params_total"], (pool.name, rank)
             assert sum(r["params_with_state"] for r in reports) == reports[0]["params_total"], pool.name
+        # What crosses to the text pool is in the dtype the vision stage computed: bf16 moves half fp32's bytes.
+        (shard,) = ray.get(trainer.vision.forward(0, 99, _microbatch([samples[0]], cfg).vision))
+        assert str(shard.dtype) == want and shard.device.type == "cpu"
     finally:
         trainer.shutdown()
 
