@@ -65,6 +65,14 @@ def _peak_bytes(_worker: Any = None) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _peak_reserved(_worker: Any = None) -> int | None:
+    """On a GPU, the peak the caching allocator held (allocated + cached + fragmentation): beside the allocated
+    peak it says how much of the device two processes' caches keep from each other. None on a CPU."""
+    import torch
+
+    return int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
+
+
 def _reset_peak(_worker: Any = None) -> None:
     """Forget the build's peak: what is compared is training's (as `dhp plan` predicts it)."""
     import torch
@@ -103,7 +111,8 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
         batches = global_batches(sample, cfg, mc, microbatches, 1)
         ray.get([pool.actors[0].__ray_call__.remote(_reset_peak) for _, pool in trainer.pools()])
         times, calls = timed_steps(trainer, batches, steps, metrics)
-        peaks = {stage: ray.get(pool.actors[0].__ray_call__.remote(_peak_bytes)) for stage, pool in trainer.pools()}
+        peaks, reserved = ({stage: ray.get(pool.actors[0].__ray_call__.remote(f)) for stage, pool in trainer.pools()}
+                           for f in (_peak_bytes, _peak_reserved))
         peak = peak_of(cfg, trainer)
         boundary = boundary_seconds(e for e in trainer.traced_events() if e["step"] > 1)  # the warm-up is step 1
     finally:
@@ -111,6 +120,7 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
     if cfg.vision.num_gpus_per_actor:
         _wait_for_free_device()
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
+            "peak_reserved_bytes": reserved,
             "calls_s": calls, "peak_flops": peak.flops, "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
             "boundary_s_per_microbatch": boundary, "batches": batches}
 
@@ -155,11 +165,12 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = _peak_bytes()
+    peak, reserved = _peak_bytes(), _peak_reserved()
     del model, optimizer
     if cuda:
         torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": {"process": peak}}
+    return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": {"process": peak},
+            "peak_reserved_bytes": {"process": reserved}}
 
 
 def choose_precision(base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None,
@@ -223,6 +234,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                     rows.append({
                         "side": side, "patches": patches(side), "sample_tokens": length, "system": system,
                         "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
+                        "peak_reserved_bytes": r["peak_reserved_bytes"],
                         "calls_s": r.get("calls_s", {}),
                         **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch") if k in r},
                         "planned_bytes": {s: p.total for s, p in predicted.items()} if cuda and system == "dhp" else {},

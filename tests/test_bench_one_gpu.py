@@ -28,6 +28,8 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
         assert row["vision_tokens_per_s"] == 2 * 64 / row["step_s"]
         assert row["model_tflops_per_s"] > 0 and 0 < row["mfu"] < 1
         assert all(b > 0 for b in row["peak_bytes"].values())
+        assert set(row["peak_reserved_bytes"]) == set(row["peak_bytes"])  # None on a CPU: no caching allocator
+        assert all(b is None for b in row["peak_reserved_bytes"].values())
     assert set(dhp["peak_bytes"]) == {"vision", "text"}
     assert {"vision.forward", "vision.backward", "text.forward_backward"} <= set(dhp["calls_s"])
     assert dhp["ratio"] == alone["step_s"] / dhp["step_s"]
