@@ -34,6 +34,7 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +197,10 @@ def choose_precision(base: str, settings: list[str], mc: Any, patches: int, devi
 
 
 def run(quick: bool, model: str | None = None, sides: list[int] | None = None, steps: int | None = None,
-        microbatches: int = 2, precision: str | None = None) -> dict[str, Any]:
+        microbatches: int = 2, precision: str | None = None,
+        on_side: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Both systems at each side, smallest first. `on_side` is handed the result so far after each side
+    (`complete` false until the last), so a run cut off by a time limit keeps the sides it finished."""
     import ray
     import torch
 
@@ -207,11 +211,15 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
     from dhp.stages.trainer import model_config_of
 
     cuda = torch.cuda.is_available()
-    sides = list(sides or (QUICK_SIDES if quick else SIDES))
+    sides = sorted(sides or (QUICK_SIDES if quick else SIDES))
     steps = steps or (2 if quick else 20)
     base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision and checkpointing
     mc = model_config_of(load_config(base, [f"model.name={model}"] if model else []))
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
+    head = {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+            "timings": "GPU" if cuda else "CPU timings (not GPU figures)", "torch": torch.__version__,
+            "model": model or "tiny", "precision": precision, "device_gib": device_gib,
+            "microbatches": microbatches, "steps": steps}
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -222,13 +230,20 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
             settings = {side: _settings(model, len(samples[side]["input_ids"]), microbatches, cuda) for side in sides}
             largest = max(sides)
             precision = choose_precision(base, settings[largest], mc, patches(largest), device_gib, precision)
+            head["precision"] = precision
             print(f"precision: {precision}", flush=True)
             for side in sides:
                 sample, length = samples[side], len(samples[side]["input_ids"])
                 cfg = load_config(base, [*settings[side], f"model.precision={precision}"])
                 predicted = plan(cfg, mc, vision_patches=patches(side))["ranks"]
-                dhp = run_dhp(cfg, mc, sample, microbatches, steps)
-                alone = run_one_process(cfg, mc, sample, microbatches, steps)
+                try:
+                    dhp = run_dhp(cfg, mc, sample, microbatches, steps)
+                    alone = run_one_process(cfg, mc, sample, microbatches, steps)
+                except Exception as e:  # an OOM at the largest image is a finding: keep it and the sides before
+                    error = f"{type(e).__name__}: {e}"[:2000]
+                    head["failed"] = {"side": side, "patches": patches(side), "error": error}
+                    print(f"side {side}: {head['failed']['error']}", flush=True)
+                    break
                 batches = dhp.pop("batches")
                 for system, r in (("dhp", dhp), ("one process", alone)):
                     rows.append({
@@ -246,13 +261,12 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                 # of dhp's step: both pools' rank 0 moving embeddings and gradients (they may overlap other work)
                 moved = dhp["boundary_s_per_microbatch"]["boundary_s"]
                 rows[-2]["boundary_share"] = microbatches * moved / dhp["step_s"]
+                if on_side:
+                    on_side({**head, "complete": side == sides[-1], "rows": rows})
     finally:
         if started:
             ray.shutdown()
-    return {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-            "timings": "GPU" if cuda else "CPU timings (not GPU figures)", "torch": torch.__version__,
-            "model": model or "tiny", "precision": precision, "device_gib": device_gib,
-            "microbatches": microbatches, "steps": steps, "rows": rows}
+    return {**head, "complete": "failed" not in head, "rows": rows}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -272,16 +286,25 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {r['patches']} | {r['system']} | {r['step_s']:.3f} | {r['vision_tokens_per_s']:.0f} | "
                      f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
                      f"{bubble} | {boundary} | {ratio} |")
+    if "failed" in result:
+        lines.append(f"\nfailed at {result['failed']['patches']} patches: {result['failed']['error'][:300]}")
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
     sides = [int(s) for s in args.sides.split(",")] if args.sides else None
-    result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision)
+
+    def finished_side(partial: dict[str, Any]) -> None:  # what a time-limited device call keeps if cut off
+        if args.json:
+            write_json(args.json, partial)
+        print(table(partial), flush=True)
+
+    result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision, finished_side)
     if args.json:
         write_json(args.json, result)
-    print(table(result))
-    return 0
+    if not result["complete"]:
+        print(table(result))
+    return 0 if result["complete"] else 1
 
 
 def add_parser(sub: Any) -> None:

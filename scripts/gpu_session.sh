@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
-# The GPU work of issues 14 and 17, one step per device call (a call runs at most 10 minutes; a machine stays
-# warm only 30 s after one, so every step unpacks the bundle again if it has to).
+# The GPU work of issues 14 and 17 on a lent device. A session has 15 minutes of device time in all (the
+# machine's start, 1-2 minutes, included) and one call runs at most 10 minutes, so the whole of it is ONE call:
 #
 #   bash scripts/gpu_bundle.sh                               # here, once: .gpu_bundle/site.tar.xz
-#   device run, carry [".gpu_bundle"]:  bash scripts/gpu_session.sh tests      # pytest -m gpu  (~3 min)
+#   device run, carry [".gpu_bundle"], timeout_s 600:  bash scripts/gpu_session.sh all
+#
+# `all` runs the three steps below in order of what they prove (the CUDA path, then dhp against one process on
+# the 3B, then the peers), each under its own time limit cut from BUDGET_S (default 540 s) so that a hang in one
+# leaves time for the next; a step stopped at its limit is sent SIGINT (pytest prints its summary, the benches
+# shut Ray down) and bench one-gpu keeps the image sizes it finished in its JSON. One step alone:
+#
+#                                        bash scripts/gpu_session.sh tests      # pytest -m gpu  (~3 min)
 #                                        bash scripts/gpu_session.sh one-gpu    # 3B, dhp vs one process
 #                                        bash scripts/gpu_session.sh peers      # dhp bench peers --ranks 1
 #
-# Each step writes its log and JSON under $OUT (the device tool's folder that comes back; runs/gpu/ elsewhere)
-# together with versions.txt: the GPU, driver, torch/CUDA, transformers, Ray and DeepSpeed it ran with.
+# Knobs: BUDGET_S (all's seconds, default 540), TESTS_S (the tests' share, 180), MODEL (one-gpu's shape, default
+# qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a device), STOP_RAY=0
+# (do not `ray stop --force` after each step; only for a machine where other Ray work runs).
+#
+# Each step writes its log and JSON under $OUT (the device tool's folder that comes back, at most 8 files;
+# runs/gpu/ elsewhere) together with versions.txt: the GPU, driver, torch/CUDA, transformers, Ray and
+# DeepSpeed it ran with, and steps.txt: each step's exit status and seconds (124: stopped at its limit).
 # Record what comes back in docs/benchmarks.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEP=${1:?usage: gpu_session.sh tests|one-gpu|peers}
+STEP=${1:?usage: gpu_session.sh all|tests|one-gpu|peers}
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
-if [ ! -f /tmp/site/.dhp-unpacked ]; then
-  [ -f .gpu_bundle/site.tar.xz ] || { echo "no .gpu_bundle/site.tar.xz: run scripts/gpu_bundle.sh and carry .gpu_bundle" >&2; exit 2; }
-  mkdir -p /tmp/site && tar -xJf .gpu_bundle/site.tar.xz -C /tmp/site && touch /tmp/site/.dhp-unpacked
+[ -f .gpu_bundle/site.tar.xz ] || { echo "no .gpu_bundle/site.tar.xz: run scripts/gpu_bundle.sh and carry .gpu_bundle" >&2; exit 2; }
+# A warm machine keeps /tmp/site between calls: unpack again only if this bundle is not the one unpacked there.
+bundle=$(cksum < .gpu_bundle/site.tar.xz)
+if [ "$(cat /tmp/site/.dhp-unpacked 2>/dev/null)" != "$bundle" ]; then
+  rm -rf /tmp/site && mkdir -p /tmp/site && tar -xJf .gpu_bundle/site.tar.xz -C /tmp/site
+  echo "$bundle" > /tmp/site/.dhp-unpacked
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -m pip show dhp >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # a few seconds; this checkout's path
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   python3 - <<'PY'
@@ -33,11 +48,48 @@ for name in ("transformers", "ray", "deepspeed"):
         print(name, "missing")
 PY
 } > "$OUT/versions.txt" 2>&1
+# Each step logs to a file only (no pipe: a pipe's reader would get the time limit's SIGINT too); its tail is
+# printed after it, which is what the device tool's reply shows.
+tests()   { python3 -m pytest -m gpu tests/ -q -rs --durations=5 > "$OUT/pytest_gpu.log" 2>&1; }
+one_gpu() {  # MODEL=tiny: the tiny shape (how this script is checked on a CPU)
+  local model=(--model "${MODEL:-qwen2_5_vl_3b}")
+  [ "${MODEL:-}" = tiny ] && model=(--quick)
+  python3 -m dhp.stages.cli bench one-gpu "${model[@]}" --json "$OUT/one_gpu.json" > "$OUT/one_gpu.log" 2>&1
+}
+peers()   { python3 -m dhp.stages.cli bench peers --ranks 1 --json "$OUT/peers_gpu.json" > "$OUT/peers_gpu.log" 2>&1; }
+export -f tests one_gpu peers
+export OUT
+declare -A LOG=([tests]=pytest_gpu.log [one_gpu]=one_gpu.log [peers]=peers_gpu.log)
+
+# step NAME LIMIT_S: one step under a time limit (SIGINT to its process group, SIGKILL 15 s later); a limit
+# under 30 s skips it. Records how it ended in steps.txt and prints its log's tail.
+step() {
+  local began rc=0
+  if (( $2 < 30 )); then
+    echo "$1 skipped: $2 s left" | tee -a "$OUT/steps.txt"
+    return 0
+  fi
+  began=$(date +%s)
+  timeout --signal=INT --kill-after=15 "$2" bash -c "$1" || rc=$?
+  # a step killed before it shut its Ray down would leave actors holding the GPU for the next one (STOP_RAY=0
+  # where other Ray work shares the machine: this stops every Ray process of the user)
+  [ "${STOP_RAY:-1}" = 0 ] || python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
+  echo "== $1: rc=$rc (124: stopped at its limit) in $(( $(date +%s) - began )) s of $2" | tee -a "$OUT/steps.txt"
+  tail -n 30 "$OUT/${LOG[$1]}"
+  return 0
+}
+
 case "$STEP" in
-  tests)   python3 -m pytest -m gpu tests/ -q -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 40 ;;
-  one-gpu) python3 -m dhp.stages.cli bench one-gpu --model "${MODEL:-qwen2_5_vl_3b}" --json "$OUT/one_gpu.json" \
-             2>&1 | tee "$OUT/one_gpu.log" | tail -n 40 ;;
-  peers)   python3 -m dhp.stages.cli bench peers --ranks 1 --json "$OUT/peers_gpu.json" \
-             2>&1 | tee "$OUT/peers_gpu.log" | tail -n 40 ;;
-  *)       echo "unknown step $STEP: tests | one-gpu | peers" >&2; exit 2 ;;
+  tests)   step tests 570 ;;  # + 15 s to die + Ray's stop: inside a call's 600 s
+  one-gpu) step one_gpu 570 ;;
+  peers)   step peers 570 ;;
+  all)
+    budget=${BUDGET_S:-540}  # each step may overrun its limit by ~20 s (SIGKILL after 15 s, Ray's stop)
+    began=$(date +%s)
+    left() { echo $(( budget - ($(date +%s) - began) )); }
+    step tests "${TESTS_S:-180}"
+    step one_gpu $(( $(left) - 90 ))  # the peers keep at least 90 s
+    step peers $(( $(left) - 5 ))
+    cat "$OUT/steps.txt" ;;
+  *)       echo "unknown step $STEP: all | tests | one-gpu | peers" >&2; exit 2 ;;
 esac

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -162,6 +163,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job's inherited ignore: `timeout -s INT`
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # and Ctrl-C must still stop it, Ray shut down
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":

@@ -17,6 +17,7 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
                               precision=None)
     assert main(args) == 0
     result = json.loads(path.read_text())
+    assert result["complete"] and "failed" not in result
     assert result["timings"].startswith("CPU timings") and result["model"] == "tiny"
     assert result["precision"] == "fp32" and result["device_gib"] is None  # no device: the preset's
     dhp, alone = result["rows"]
@@ -56,3 +57,25 @@ def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():
     assert choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=None) == "fp32"  # no device: preset's
     with pytest.raises(ValueError, match="fits no precision on this 20 GiB device at 16384 patches"):
         choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=20.0)
+
+
+def test_a_side_that_fails_is_recorded_and_the_run_says_incomplete(ray_session, tmp_path, monkeypatch, capsys):
+    """An out-of-memory at an image size (what a GPU may answer at 16 k patches) is kept in the JSON with the sides
+    before it, and the command exits 1; here the failure is injected, since a CPU run of the tiny shape has none."""
+    import torch
+
+    from dhp.scripts import bench_one_gpu
+
+    def out_of_memory(*_args, **_kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(bench_one_gpu, "run_dhp", out_of_memory)
+    path = tmp_path / "one_gpu.json"
+    args = argparse.Namespace(json=str(path), quick=True, model=None, sides=None, steps=None, microbatches=2,
+                              precision=None)
+    assert main(args) == 1
+    result = json.loads(path.read_text())
+    assert not result["complete"] and result["rows"] == []
+    assert result["failed"] == {"side": 112, "patches": 64,
+                                "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"}
+    assert "failed at 64 patches: OutOfMemoryError" in capsys.readouterr().out
