@@ -267,10 +267,10 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
             if preemption.requested and step < steps:  # (after the last step the run simply finishes)
                 ckpt = saved or _save(trainer, ckpt_root, batches, t) or latest_valid(ckpt_root)[0]
                 raise Preempted(step, ckpt, preemption.signal_name)  # a failed write: the newest intact one
+    if cfg.output.save_final_checkpoint:
+        trainer.save_weights(run_dir / "checkpoint")  # Hugging Face format; first: the weights matter more
     if cfg.pipeline.trace:
         trainer.write_trace(run_dir / "trace.json")
-    if cfg.output.save_final_checkpoint:
-        trainer.save_weights(run_dir / "checkpoint")  # Hugging Face format
     summary = {
         "run_dir": str(run_dir),
         "steps": steps,

@@ -267,10 +267,20 @@ class Trainer:
         try:
             latest = max((e["step"] for e in self.events), default=0)
             while True:
-                events, _ = attach_ray_transfers(self.events, ray.timeline())
+                try:
+                    timeline = ray.timeline()
+                except Exception as e:  # (Ray Client, the GCS unreachable): dhp's own timings stay, and the run
+                    print(f"warning: Ray's timeline could not be read ({type(e).__name__}: {e}); the trace's "
+                          "receive/send read 0", flush=True)
+                    return attach_ray_transfers(self.events, [])[0]
+                events, _ = attach_ray_transfers(self.events, timeline)
                 # only the latest step's calls can still arrive: older unmatched ones are gone for good
-                if all(e["step"] < latest or e["receive_s"] or e["send_s"] for e in events) \
-                        or time.monotonic() > deadline:
+                late = sum(e["step"] == latest and not (e["receive_s"] or e["send_s"]) for e in events)
+                if not late:
+                    return events
+                if time.monotonic() > deadline:
+                    print(f"warning: {late} of the latest step's calls found no Ray task in Ray's timeline within "
+                          f"{wait_s:g} s: their receive/send read 0", flush=True)
                     return events
                 time.sleep(0.25)
         finally:

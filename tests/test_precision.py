@@ -70,9 +70,16 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
                 assert r["optimizer"] == [want], (pool.name, rank, r["optimizer"])
                 assert 0 < r["params_with_state"] < r["params_total"], (pool.name, rank)
             assert sum(r["params_with_state"] for r in reports) == reports[0]["params_total"], pool.name
-        # What crosses to the text pool is in the dtype the vision stage computed: bf16 moves half fp32's bytes.
-        (shard,) = ray.get(trainer.vision.forward(0, 99, _microbatch([samples[0]], cfg).vision))
+        # What crosses to the text pool is in the dtype the vision stage computed: bf16 moves half fp32's bytes,
+        # and the gradient the text stage sends back is in the same dtype (what the vision backward is given).
+        mb = _microbatch([samples[0]], cfg)
+        shards = trainer.vision.forward(0, 99, mb.vision)
+        (shard,) = ray.get(shards)
         assert str(shard.dtype) == want and shard.device.type == "cpu"
+        _, grads = trainer.text.forward_backward(0, 99, mb.text, shards, 1.0)
+        (grad,) = ray.get(grads)
+        assert str(grad.dtype) == want and grad.shape == shard.shape and grad.abs().sum() > 0
+        ray.get(trainer.vision.backward(0, 99, grads))
     finally:
         trainer.shutdown()
 
