@@ -312,12 +312,13 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("one-gpu", help="dhp (vision + text actor sharing one device) vs a one-process transformers "
                                        "loop: tokens/s, MFU, peak memory")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the rows here (after each image size, so a cut-off run keeps "
+                                                "the sizes it finished)")
     p.add_argument("--quick", action="store_true", help="one 64-patch image, 2 steps (what CI runs)")
     p.add_argument("--model", default=None, help="a released shape, e.g. qwen2_5_vl_3b (default: tiny)")
     p.add_argument("--sides", default=None, help="image sides in px, comma-separated (default 448,896,1792)")
     p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up (default 20)")
-    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=2, help="one-image micro-batches per step (default 2)")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16"],
                    help="model.precision for both systems (default: the preset's if `dhp plan` fits it on the "
                         "device at the largest side, else bf16)")

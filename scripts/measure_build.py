@@ -67,11 +67,11 @@ def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, who
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dhp.scripts.measure_build", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen2_5_vl_3b")
-    p.add_argument("--stage", choices=("vision", "text"), default="text")
+    p.add_argument("--model", default="qwen2_5_vl_3b", help="a released shape (models/architectures.py)")
+    p.add_argument("--stage", choices=("vision", "text"), default="text", help="which stage one rank builds")
     p.add_argument("--layout", default="tensor", help="none | sequence | tensor | zero3")
     p.add_argument("--degree", type=int, default=4, help="model-parallel degree (zero3: pool size)")
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--rank", type=int, default=0, help="the rank whose share is built (default 0)")
     p.add_argument("--whole", action="store_true", help="build the whole stage in fp32 (the old pattern)")
     p.add_argument("--path", default=None, help="load from this HF checkpoint dir instead of the seeded init")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 (models/precision.py)")

@@ -48,14 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.steps=20")
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
-    show.add_argument("--config", default="tiny")
-    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    show.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML path (default: tiny)")
+    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. text.degree=4 (after the options)")
 
     plan = sub.add_parser("plan", help="memory per rank of each pool, against the GPU (no allocation)")
-    plan.add_argument("--config", default="tiny")
+    plan.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML path (default: tiny)")
     plan.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="memory of one GPU")
     plan.add_argument("--json", default=None, help="write the rows here")
-    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. text.degree=4 (after the options)")
     plan.add_argument("--time", action="store_true", help="predict the step time on --gpus x --gpu (time_model.py)")
     plan.add_argument("--search", action="store_true", help="rank the layouts that fit --gpus x --gpu; write the best")
     plan.add_argument("--gpu", default=None, help="h100-sxm | h200 | a100-80gb | l40s, or a `dhp bench ops` JSON")
@@ -69,10 +69,10 @@ def _parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write the synthetic shapes captioning set")
-    synth.add_argument("--out", required=True)
-    synth.add_argument("--num", type=int, default=512)
-    synth.add_argument("--eval-num", type=int, default=None)
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--out", required=True, help="directory for train.jsonl, val.jsonl and images/")
+    synth.add_argument("--num", type=int, default=512, help="training records (default 512)")
+    synth.add_argument("--eval-num", type=int, default=None, help="held-out records (default: max(16, num // 10))")
+    synth.add_argument("--seed", type=int, default=0, help="seed of the shapes, colours and captions (default 0)")
 
     coco = data.add_parser("convert-coco", help="COCO captions JSON -> conversation-format JSONL")
     coco.add_argument("--captions", required=True, help="captions_*.json (images + annotations)")
