@@ -28,9 +28,14 @@ def test_largest_fitting_climbs_then_bisects():
 
 
 def test_quick_bench_runs_every_system_under_its_cap(ray_session, tmp_path):
-    result = run(quick=True)
+    partial = []  # what a time-limited run keeps: the JSON after each system
+    result = run(quick=True, on_system=lambda r: partial.append(([s["name"] for s in r["systems"]], r["complete"],
+                                                                 r["goals"]["sp_tp_not_slower_than_uniform_tp"])))
     names = [r["name"] for r in result["systems"]]
     assert names == list(systems(result["ranks"]))
+    assert [p[0] for p in partial] == [names[:i] for i in range(1, len(names) + 1)]
+    assert [p[1] for p in partial] == [False] * (len(names) - 1) + [True] and result["complete"]
+    assert partial[0][2] is None and partial[-1][2] is not None  # a goal is judged once its systems have run
     for r in result["systems"]:
         assert r["step_s"] > 0 and r["peak_activation_bytes"] > 0 and r["peak_rss_bytes"] > 0, r["name"]
         for p in r["probes"]:  # the search's verdicts are the cap's
