@@ -5,7 +5,7 @@ Peak host memory is this rank's tensors plus one full tensor: the model is built
 seeded init, models/materialize.py), given its precision's dtype, laid out (TP slicing, ZeRO-3 rows) while
 still on meta, allocated (`layout.materialize`: only what the rank holds), then filled either from its
 checkpoint slices (`model.path`: one tensor read and copied at a time, straight into its parameter) or
-from its part of the seeded init (replayed one full tensor at a time).
+from its part of the seeded init (`model.random_init`: replayed one full tensor at a time, or drawn per part).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from dhp.models.layout import Layout, PoolRanks
-from dhp.models.materialize import build_on_meta, replay
+from dhp.models.materialize import build_on_meta
 from dhp.models.precision import Precision
+from dhp.models.random_init import Exact, RandomInit
 from dhp.models.weights import into_model, load_stage_weights
 
 
@@ -30,13 +31,15 @@ def build_stage(
     seed: int,
     path: str | Path | None = None,
     freeze: Callable[[nn.Module], None] | None = None,
+    init: RandomInit | None = None,
 ) -> tuple[nn.Module, dict[str, torch.Size]]:
     """-> (this rank's model on `ranks.device`, in train mode; the full (unsharded) shape of every tensor).
 
     `build_model()` constructs the full stage (it runs on meta: nothing allocated); `seed` seeds it, as the
     single-process build `torch.manual_seed(seed); build_model()` would be. From a checkpoint the model loads
     the names under its `checkpoint_prefixes` (the other stage's are not its business). `freeze(model)` sets
-    `requires_grad` (models/fine_tuning.py) before the layout wraps the parameters, which keep it.
+    `requires_grad` (models/fine_tuning.py) before the layout wraps the parameters, which keep it. Without a
+    checkpoint, `init` fills the rank's tensors (models/random_init.py; default: the exact single-process init).
     """
     torch.manual_seed(seed)
     model, recipe = build_on_meta(build_model)
@@ -50,7 +53,6 @@ def build_stage(
     if path:
         load_stage_weights(model, model.hf_name, path, model.checkpoint_prefixes, slicer=slicer,
                            full_shapes=full_shapes, assign=layout.assign_loaded)
-    else:
-        torch.manual_seed(seed)
-        replay(recipe, slicer, sink=into_model(model, layout.assign_loaded))  # each part copied in as made
+    else:  # each part copied in as made
+        (init or Exact()).fill(recipe, slicer, into_model(model, layout.assign_loaded), seed, ranks.device)
     return model.to(ranks.device).train(), full_shapes

@@ -50,7 +50,10 @@ def _settings(model: str | None, length: int, microbatches: int, cuda: bool) -> 
     resources = ["vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5", "data.preprocess_workers=1",
                  "data.preprocess_num_cpus=0.25"]
     gpus = ["vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5"] if cuda else []
-    return [*([f"model.name={model}"] if model else []), *resources, *gpus,
+    # a released shape's weights drawn on the device, each actor its own part (speed does not depend on their
+    # values): the exact replay of the 3B's random stream on the host takes a minute per actor build
+    shape = [f"model.name={model}", "model.random_init=per_part"] if model else []
+    return [*shape, *resources, *gpus,
             "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
             "text.parallelism=none", "text.num_actors=1", "text.degree=1", "pipeline.placement=shared",
             f"data.microbatch_tokens={length}", f"data.max_seq_len={length}",

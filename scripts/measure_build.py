@@ -1,7 +1,7 @@
 """Peak host memory and time of building one rank's part of a stage, at any released size, in this process.
 
     python -m dhp.scripts.measure_build --model qwen2_5_vl_3b --stage text --layout tensor --degree 4 \
-        [--rank 0] [--path CHECKPOINT] [--precision fp32]
+        [--rank 0] [--path CHECKPOINT] [--precision fp32] [--random-init exact|per_part]
 
 Runs what a stage worker's setup runs (models/stage_build.py: meta build, precision, layout, allocation,
 then its checkpoint slices from `--path` or its part of the seeded init), as rank `--rank` of a pool of
@@ -9,7 +9,8 @@ then its checkpoint slices from `--path` or its part of the seeded init), as ran
 no-ops, nothing else runs). Prints one JSON row with the fields of `dhp bench memory`: model, stage, layout,
 degree, precision, held_bytes (the rank's tensors), largest_tensor_bytes, peak_rss_bytes (ru_maxrss of this
 process: interpreter, torch and transformers included), build_s. Run it in a fresh process per row: peak
-RSS only grows. `--whole` builds the whole stage in fp32 instead (the pattern before issue 12).
+RSS only grows. `--whole` builds the whole stage in fp32 instead (the pattern before issue 12). `--random-init`
+is `model.random_init` (models/random_init.py): `per_part` draws only the rank's part, here on the CPU.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import time
 
 
 def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, whole: bool = False,
-            path: str | None = None, precision: str = "fp32") -> dict:
+            path: str | None = None, precision: str = "fp32", init: str = "exact") -> dict:
     import torch
 
     from dhp.models.architectures import architecture_config
     from dhp.models.layouts import layout_class
     from dhp.models.precision import precision_of
     from dhp.models.qwen2_5_vl import TextModel, VisionModel
+    from dhp.models.random_init import random_init
     from dhp.models.stage_build import build_stage
 
     torch.set_num_threads(1)
@@ -48,7 +50,8 @@ def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, who
 
         dist.init_process_group("fake", rank=rank, world_size=degree, store=FakeStore())
         ranks = pool_ranks(rank, degree, degree, torch.device("cpu"))
-        module, _ = build_stage(lambda: cls(config), lay, ranks, precision_of(precision), seed=0, path=path)
+        module, _ = build_stage(lambda: cls(config), lay, ranks, precision_of(precision), seed=0, path=path,
+                                init=random_init(init))
     build_s = time.perf_counter() - start
     seen, held = set(), 0
     for t in module.state_dict().values():  # tied tensors once; a DTensor (ZeRO-3) by its local rows
@@ -59,7 +62,7 @@ def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, who
     shapes = {n: t.shape for n, t in module.state_dict().items()}
     return dict(
         model=model, stage=stage, layout=layout, degree=degree, precision="fp32" if whole else precision, rank=rank,
-        whole=whole, loaded=bool(path), held_bytes=held,
+        whole=whole, loaded=bool(path), random_init=None if path or whole else init, held_bytes=held,
         largest_tensor_bytes=max(math.prod(s) for s in shapes.values()) * 4,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, build_s=round(build_s, 2),
     )
@@ -75,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--whole", action="store_true", help="build the whole stage in fp32 (the old pattern)")
     p.add_argument("--path", default=None, help="load from this HF checkpoint dir instead of the seeded init")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 (models/precision.py)")
+    p.add_argument("--random-init", default="exact", choices=("exact", "per_part"),
+                   help="model.random_init without --path (models/random_init.py; default exact)")
     args = p.parse_args(argv)
-    row = measure(args.model, args.stage, args.layout, args.degree, args.rank, args.whole, args.path, args.precision)
+    row = measure(args.model, args.stage, args.layout, args.degree, args.rank, args.whole, args.path, args.precision,
+                  args.random_init)
     print(json.dumps(row))
     return 0
 

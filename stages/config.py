@@ -29,6 +29,9 @@ class ModelConfig:
     name: str = "tiny"  # built-in shape: tiny | qwen2_5_vl_3b | qwen2_5_vl_7b | qwen2_5_vl_32b | qwen2_5_vl_72b
     path: str | None = None  # local HF checkpoint dir (config.json + *.safetensors); overrides `name`
     init_seed: int = 0  # seed of the random init when no `path` is given
+    # exact: the single-process build's values in every layout (replayed on the CPU, the whole stage per rank);
+    # per_part: each rank draws only its part on its device (same distribution, another stream: models/random_init.py)
+    random_init: Literal["exact", "per_part"] = "exact"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype under fp32 precision (GPU autocast)
     precision: Literal["fp32", "bf16"] = "fp32"  # model states: fp32 master (16 B/param) or pure bf16 (8 B/param)

@@ -25,6 +25,7 @@ from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.layouts import make_layout, stage_layout
 from dhp.models.precision import precision_of
+from dhp.models.random_init import random_init
 from dhp.models.reshard import MOMENT_SEP, SavedRanks, index_of
 from dhp.models.stage_build import build_stage
 from dhp.models.tensor_parallel import sum_partial_grads
@@ -142,6 +143,7 @@ class StageWorker(DistributedWorker):
         self.model, self.full_shapes = build_stage(
             lambda: self.build_model(self.model_config), self.layout, self.ranks, self.precision,
             seed=self.cfg.model.init_seed, path=self.cfg.model.path, freeze=self.fine_tuning.freeze,
+            init=random_init(self.cfg.model.random_init),
         )
         self.adapt()
         self.activation_checkpointing = ActivationCheckpointing.of(self.stage_cfg)

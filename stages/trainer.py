@@ -334,7 +334,8 @@ class Trainer:
 
     def _base(self) -> dict[str, Any]:
         """Where the frozen rest of a partial checkpoint comes from: `model.path`, else the seeded init."""
-        return {"path": self.cfg.model.path, "init_seed": self.cfg.model.init_seed}
+        m = self.cfg.model
+        return {"path": m.path, "init_seed": m.init_seed, "random_init": m.random_init}
 
     def _lora_meta(self) -> dict[str, Any] | None:
         lora = self.fine_tuning.lora
@@ -392,8 +393,10 @@ class Trainer:
         if base and not _same_base(base, here):
             raise ConfigError(
                 f"checkpoint {ckpt} holds only the trained tensors of {', '.join(meta['partial'])}; the rest is its "
-                f"base (model.path={base['path']}, model.init_seed={base['init_seed']}), but this run's base is "
-                f"model.path={here['path']}, model.init_seed={here['init_seed']}: resume with the same base")
+                f"base (model.path={base['path']}, model.init_seed={base['init_seed']}, model.random_init="
+                f"{base.get('random_init', 'exact')}), but this run's base is model.path={here['path']}, "
+                f"model.init_seed={here['init_seed']}, model.random_init={here['random_init']}: resume with the "
+                f"same base")
         if set(meta.get("partial", [])) != set(self._partial_stages()):
             raise ConfigError(f"checkpoint {ckpt} was written with other frozen modules (partial stages "
                               f"{meta.get('partial', [])}): resume with the same vision.train / text.train")
@@ -477,6 +480,6 @@ class Trainer:
 
 def _same_base(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     """Whether this run builds the base a partial checkpoint was trained on (`Trainer._base` of each)."""
-    if not saved["path"]:  # a seeded init
-        return saved["init_seed"] == here["init_seed"]
+    if not saved["path"]:  # a seeded init (checkpoints from before model.random_init were exact)
+        return (saved["init_seed"], saved.get("random_init", "exact")) == (here["init_seed"], here["random_init"])
     return bool(here["path"]) and Path(saved["path"]).resolve() == Path(here["path"]).resolve()
