@@ -20,7 +20,8 @@ tensors (rotary `inv_freq` and the like are computed as usual, so nothing needs 
 `TorchDispatchMode` logs every mutating aten op whose target is a meta parameter. transformers skips
 `_init_weights` under a `torch.device("meta")` context, which is why parameters are moved one by one
 instead: its init runs, on meta, and is recorded. A write that reads another tensor (e.g. `copy_` from a
-meta source) cannot be replayed and is refused with its op name, as is a parameter nothing initialised.
+meta source) cannot be replayed and is refused with its op name, as is a write to a view of a parameter
+(its replay would write the whole tensor) and a parameter nothing initialised.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class _Recorder(TorchDispatchMode):
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if target is not None and target.is_meta and func._schema.is_mutable:
             base = func.overloadpacket.__name__
+            if target._is_view():  # e.g. an Embedding's padding row zeroed: replayed, it would zero the whole table
+                raise NotImplementedError(f"meta build: {base} writes a view of a parameter (part of it); it cannot "
+                                          f"be replayed")
             if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
                 raise NotImplementedError(f"meta build: {func} reads another tensor; it cannot be replayed")
             gen = kwargs.get("generator")

@@ -11,9 +11,12 @@ only, on the rank's device, each part from its own generator seeded by (`model.i
 name, the part's index): the same distribution per element as the exact build (the writes are element-wise
 with scalar arguments: applied to a part they draw what they would have drawn there), and the same values
 wherever two ranks hold the same part (tensor-parallel replicated tensors, data-parallel replicas, tied
-weights), so the ranks still form one model; but another random stream, so not the one-process model's values.
-For runs whose weights' values do not matter (throughput benchmarks at released sizes, `dhp bench one-gpu`)
-or a from-scratch run that does not need to equal a single-process build.
+weights), so the ranks still form one model; but another random stream, so not the one-process model's values,
+and not the same values under another layout or on another kind of device. For runs whose weights' values do
+not matter (throughput benchmarks at released sizes, `dhp bench one-gpu`) or a from-scratch run that does not
+need to equal a single-process build. Not for the frozen base of a partial run (`vision.train` / `text.train`
+other than `all`): its checkpoint holds only what trains and the base is rebuilt at resume, possibly resharded
+(`stages/pools.check_layout` refuses it).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class RandomInit(ABC):
     """How a rank fills its tensors from the recipe of a meta build (`materialize.build_on_meta`)."""
 
     name: ClassVar[str]
+    # whether another layout or device rebuilds the same values from the seed (a frozen base is rebuilt at resume)
+    same_in_every_layout: ClassVar[bool]
 
     @abstractmethod
     def fill(self, recipe: InitRecipe, slicer: Callable[[str], Any], sink: Callable[[str, torch.Tensor], None],
@@ -41,6 +46,7 @@ class RandomInit(ABC):
 
 class Exact(RandomInit):
     name = "exact"
+    same_in_every_layout = True
 
     def fill(self, recipe, slicer, sink, seed, device) -> None:
         torch.manual_seed(seed)  # the stream the single-process build started from
@@ -49,6 +55,7 @@ class Exact(RandomInit):
 
 class PerPart(RandomInit):
     name = "per_part"
+    same_in_every_layout = False  # parts follow the layout; CUDA's random kernels follow the device's shape
 
     def fill(self, recipe, slicer, sink, seed, device) -> None:
         done: set[str] = set()

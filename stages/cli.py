@@ -163,8 +163,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job's inherited ignore: `timeout -s INT`
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # and Ctrl-C must still stop it, Ray shut down
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a background job of a non-interactive shell:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGINT still stops it, Ray shut down on the way
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":

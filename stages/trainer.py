@@ -481,5 +481,6 @@ class Trainer:
 def _same_base(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     """Whether this run builds the base a partial checkpoint was trained on (`Trainer._base` of each)."""
     if not saved["path"]:  # a seeded init (checkpoints from before model.random_init were exact)
-        return (saved["init_seed"], saved.get("random_init", "exact")) == (here["init_seed"], here["random_init"])
+        seeded = (saved["init_seed"], saved.get("random_init", "exact"))
+        return not here["path"] and seeded == (here["init_seed"], here["random_init"])
     return bool(here["path"]) and Path(saved["path"]).resolve() == Path(here["path"]).resolve()

@@ -13,8 +13,8 @@ from PIL import Image
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # run as a background job (scripts/gpu_session.sh's time limit
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # sends SIGINT): stop with the session's Ray shut down
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a background job of a non-interactive shell:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGINT still stops it, the session's Ray shut down
 
 
 @pytest.fixture(scope="session")

@@ -59,23 +59,31 @@ def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():
         choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=20.0)
 
 
-def test_a_side_that_fails_is_recorded_and_the_run_says_incomplete(ray_session, tmp_path, monkeypatch, capsys):
-    """An out-of-memory at an image size (what a GPU may answer at 16 k patches) is kept in the JSON with the sides
-    before it, and the command exits 1; here the failure is injected, since a CPU run of the tiny shape has none."""
+def test_a_side_that_fails_is_recorded_and_the_sides_before_it_kept(ray_session, tmp_path, monkeypatch, capsys):
+    """An out-of-memory at an image size (what a GPU may answer at 16 k patches) is kept in the JSON after the sides
+    before it, and the command exits 1; the failure is injected at the second side, since a CPU run of the tiny
+    shape has none."""
     import torch
 
     from dhp.scripts import bench_one_gpu
 
-    def out_of_memory(*_args, **_kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    real, calls = bench_one_gpu.run_dhp, []
 
-    monkeypatch.setattr(bench_one_gpu, "run_dhp", out_of_memory)
+    def out_of_memory_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            assert json.loads(path.read_text())["complete"] is False  # the first side, written before this one
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_one_gpu, "run_dhp", out_of_memory_at_the_second)
     path = tmp_path / "one_gpu.json"
-    args = argparse.Namespace(json=str(path), quick=True, model=None, sides=None, steps=None, microbatches=2,
+    args = argparse.Namespace(json=str(path), quick=True, model=None, sides="140,112", steps=1, microbatches=2,
                               precision=None)
     assert main(args) == 1
     result = json.loads(path.read_text())
-    assert not result["complete"] and result["rows"] == []
-    assert result["failed"] == {"side": 112, "patches": 64,
+    assert not result["complete"] and [(r["side"], r["system"]) for r in result["rows"]] == [
+        (112, "dhp"), (112, "one process")]  # smallest first
+    assert result["failed"] == {"side": 140, "patches": 100,
                                 "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"}
-    assert "failed at 64 patches: OutOfMemoryError" in capsys.readouterr().out
+    assert "failed at 100 patches: OutOfMemoryError" in capsys.readouterr().out

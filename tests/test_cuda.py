@@ -82,3 +82,31 @@ def test_dhp_train_on_one_gpu_learns(tmp_path):
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
     assert len(records) == 100 and last <= first / 2, f"train loss {first:.3f} -> {last:.3f}: did not fall by half"
     assert all(0 < r["mfu"] < 1 for r in records)
+
+
+def test_per_part_init_draws_each_part_on_the_gpu():
+    """`model.random_init=per_part` (what `dhp bench one-gpu` builds released shapes with) on CUDA: each TP rank's
+    parts drawn on the device form one model of the exact build's distribution (tests/test_random_init.py is the
+    CPU case)."""
+    from dhp.models.architectures import architecture_config
+    from dhp.models.layouts import make_layout
+    from dhp.models.materialize import build_on_meta
+    from dhp.models.qwen2_5_vl import TextModel
+    from dhp.models.random_init import PerPart
+    from tests.test_random_init import _same_distribution
+
+    config = architecture_config("tiny")
+    torch.manual_seed(0)
+    exact = TextModel(config).state_dict()
+    shapes = {n: t.shape for n, t in exact.items()}
+    layout = make_layout("text", "tensor", 2, 2, config)
+    parts = []
+    for rank in range(2):
+        _, recipe = build_on_meta(lambda: TextModel(config))
+        part: dict[str, torch.Tensor] = {}
+        PerPart().fill(recipe, layout.slicer(rank, shapes), part.__setitem__, 0, torch.device("cuda"))
+        assert all(t.is_cuda for t in part.values())
+        parts.append({n: t.cpu() for n, t in part.items()})
+    full = layout.gather(parts)
+    for name, t in exact.items():
+        _same_distribution(name, full[name], t)

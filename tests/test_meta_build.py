@@ -94,9 +94,20 @@ class _NeverInitialised(nn.Module):
         self.w = nn.Parameter(torch.empty(2048, 1024))  # large: its empty values are not kept
 
 
+class _ZeroesARow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(8, 4))
+        with torch.no_grad():
+            self.w.normal_()
+            self.w[0].zero_()  # what Embedding's init does to a padding row
+
+
 def test_what_cannot_be_replayed_is_refused():
     with pytest.raises(NotImplementedError, match="copy_"):
         build_on_meta(_CopiesFromATensor)
+    with pytest.raises(NotImplementedError, match="zero_ writes a view of a parameter"):
+        build_on_meta(_ZeroesARow)
     _, recipe = build_on_meta(_NeverInitialised)
     with pytest.raises(ValueError, match="nothing initialised"):
         replay(recipe)
