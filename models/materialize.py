@@ -134,38 +134,54 @@ def replay(
     """
     from dhp.models.tensor_parallel import read_part
 
+    def make(episode: list[Write], names: list[str]) -> Callable[[Any], torch.Tensor]:
+        first = episode[0]  # the full tensor now, kept or not: the stream needs every write
+        full = first.value.clone() if first.op is None else torch.empty(first.shape, dtype=first.dtype)
+        for w in episode:
+            if w.op is not None:
+                w.op(full, *w.args, **w.kwargs)
+        return lambda idx: full if idx is None else read_part(full, idx).clone()
+
     out: dict[str, torch.Tensor] = {}
+    fill_parts(recipe, make, slicer, keep, out.__setitem__ if sink is None else sink)
+    return out
+
+
+def fill_parts(
+    recipe: InitRecipe,
+    make: Callable[[list[Write], list[str]], Callable[[Any], torch.Tensor]],
+    slicer: Callable[[str], Any] | None,
+    keep: Callable[[str], bool] | None,
+    sink: Callable[[str, torch.Tensor], None],
+) -> None:
+    """Walk the recipe one parameter at a time: `make(writes, names)` is called with each tensor's writes (in
+    order; the first overwrites every element) and the names it goes by, and answers the part at an index
+    (`slicer(name)`; None = whole); `sink(name, part)` gets each kept name's part, tied names with the same index
+    sharing one. A kept name nothing initialised is an error."""
     done: set[str] = set()
-    writes = recipe.writes
-    i = 0
+    writes, i = recipe.writes, 0
     while i < len(writes):
         first = writes[i]
         base = "_initial_value" if first.op is None else first.op.overloadpacket.__name__
         if base not in _WRITERS:
             raise NotImplementedError(f"meta build: the first write to a parameter is {first.op}, which reads it")
-        full = first.value.clone() if first.op is None else torch.empty(first.shape, dtype=first.dtype)
         j = i
         while j < len(writes) and writes[j].target == first.target:  # consecutive writes act on one tensor
-            w = writes[j]
-            if w.op is not None:
-                w.op(full, *w.args, **w.kwargs)
             j += 1
-        parts: dict[str, torch.Tensor] = {}  # tied names with the same index share one part
-        for name in recipe.names.get(first.target, []):
+        names = recipe.names.get(first.target, [])
+        part_at = make(writes[i:j], names)
+        parts: dict[str, torch.Tensor] = {}
+        for name in names:
             if keep is None or keep(name):
                 idx = slicer(name) if slicer else None
                 if repr(idx) not in parts:
-                    parts[repr(idx)] = full if idx is None else read_part(full, idx).clone()
-                if sink is None:
-                    out[name] = parts[repr(idx)]
-                else:
-                    sink(name, parts[repr(idx)])
+                    parts[repr(idx)] = part_at(idx)
+                sink(name, parts[repr(idx)])
                 done.add(name)
         i = j
     missing = [n for names in recipe.names.values() for n in names if n not in done and (keep is None or keep(n))]
     if missing:
         raise ValueError(f"meta build: nothing initialised {missing[:8]} ({len(missing)})")
-    return out
 
 
 def materialize_params(model: nn.Module, device: torch.device) -> None:

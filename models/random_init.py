@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dhp.models.materialize import _WRITERS, InitRecipe, Write, replay
+from dhp.models.materialize import _WRITERS, InitRecipe, Write, fill_parts, replay
 
 
 class RandomInit(ABC):
@@ -58,24 +58,10 @@ class PerPart(RandomInit):
     same_in_every_layout = False  # parts follow the layout; CUDA's random kernels follow the device's shape
 
     def fill(self, recipe, slicer, sink, seed, device) -> None:
-        done: set[str] = set()
-        writes, i = recipe.writes, 0
-        while i < len(writes):
-            j = i
-            while j < len(writes) and writes[j].target == writes[i].target:  # one tensor's writes, in order
-                j += 1
-            names = recipe.names.get(writes[i].target, [])
-            parts: dict[str, torch.Tensor] = {}  # tied names with the same index share one part
-            for name in names:
-                idx = slicer(name) if slicer else None
-                if repr(idx) not in parts:
-                    parts[repr(idx)] = _part(writes[i:j], idx, _seed(seed, names[0], idx), device)
-                sink(name, parts[repr(idx)])
-                done.add(name)
-            i = j
-        missing = [n for names in recipe.names.values() for n in names if n not in done]
-        if missing:
-            raise ValueError(f"meta build: nothing initialised {missing[:8]} ({len(missing)})")
+        def make(episode: list[Write], names: list[str]) -> Callable[[Any], torch.Tensor]:
+            return lambda idx: _part(episode, idx, _seed(seed, names[0], idx), device)  # tied: the first name's
+
+        fill_parts(recipe, make, slicer, None, sink)
 
 
 MODES: dict[str, type[RandomInit]] = {m.name: m for m in (Exact, PerPart)}
@@ -98,8 +84,6 @@ def _part(episode: list[Write], idx: Any, seed: int, device: torch.device) -> to
     from dhp.models.tensor_parallel import read_part
 
     first = episode[0]
-    if first.op is not None and first.op.overloadpacket.__name__ not in _WRITERS:
-        raise NotImplementedError(f"meta build: the first write to a parameter is {first.op}, which reads it")
     if first.op is None:  # created with real values (ones, zeros): their part
         part = (first.value if idx is None else read_part(first.value, idx)).to(device, copy=True)
     else:

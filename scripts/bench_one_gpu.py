@@ -246,7 +246,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                 except Exception as e:  # an OOM at the largest image is a finding: keep it and the sides before
                     error = f"{type(e).__name__}: {e}"[:2000]
                     head["failed"] = {"side": side, "patches": patches(side), "error": error}
-                    print(f"side {side}: {head['failed']['error']}", flush=True)
+                    print(f"side {side}: {error}", flush=True)
                     break
                 batches = dhp.pop("batches")
                 for system, r in (("dhp", dhp), ("one process", alone)):

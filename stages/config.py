@@ -19,6 +19,9 @@ import yaml
 
 from dhp.stages.placement_modes import PlacementMode, placement_mode
 
+# training.on_checkpoint_error -> whether a failed save stops the run (else it retries at the next interval)
+CHECKPOINT_ERROR_STOPS = {"continue": False, "stop": True}
+
 
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
@@ -156,7 +159,7 @@ class TrainingConfig:
     @property
     def stops_on_checkpoint_error(self) -> bool:
         """The one reader of `on_checkpoint_error` (the driver asks this)."""
-        return self.on_checkpoint_error == "stop"
+        return CHECKPOINT_ERROR_STOPS[self.on_checkpoint_error]
 
 
 @dataclass

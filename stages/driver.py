@@ -67,15 +67,21 @@ def init_ray(cfg: Config) -> None:
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
 
 
+# model.attn_implementation -> (the module it imports, its package, how to install it), for those torch lacks
+ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn", "pip install flash-attn --no-build-isolation, "
+                                                                       "CUDA only")}
+
+
 def check_attention(implementation: str) -> None:
     """The asked-for attention kernel must be importable here, before Ray starts (else every actor would fail
     its setup with an ImportError minutes later)."""
     import importlib.util
 
-    if implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    module, package, install = ATTENTION_PACKAGES.get(implementation, (None, None, None))
+    if module and importlib.util.find_spec(module) is None:
         raise ConfigError(
-            "model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed: "
-            "install it (pip install flash-attn --no-build-isolation, CUDA only) or use "
+            f"model.attn_implementation={implementation} needs the {package} package, which is not installed: "
+            f"install it ({install}) or use "
             "model.attn_implementation=sdpa (PyTorch's SDPA, with a flash kernel on CUDA)"
         )
 
