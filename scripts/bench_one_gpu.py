@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import platform
 import resource
@@ -86,18 +87,45 @@ def _reset_peak(_worker: Any = None) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def device_released(free: int, total: int, held_here: int) -> bool:
+    """Whether the device is free but for what this process's caching allocator holds (the one-process loop's
+    cache, which this process reuses: it keeps no other system from the memory). On 2026-11-26 the check
+    without `held_here` waited out its limit at the second image size behind the loop's 37.6 GiB cache."""
+    return free + held_here >= 0.9 * total
+
+
 def _wait_for_free_device(timeout_s: float = 120.0) -> None:
     """After the actors are killed (`ray.kill` returns before their processes exit): until the device's memory is
     free again, so that the next system does not start beside the last one's tensors."""
     import torch
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         free, total = torch.cuda.mem_get_info()
-        if free >= 0.9 * total:
+        if device_released(free, total, torch.cuda.memory_reserved()):
             return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the dhp actors' device memory was not released within {timeout_s:g} s: "
+                               f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
+                               f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB held by this process")
         time.sleep(1.0)
-    raise RuntimeError(f"the dhp actors' device memory was not released within {timeout_s:g} s")
+
+
+def profile_summary(prof: Any, wall_s: float, top: int = 8) -> dict[str, Any]:
+    """What a torch.profiler run says about where a step's time goes: the device's busy seconds against the wall
+    (a busy share far below 1 means the host, not the chip, sets the pace) and the operators that take the most
+    device and host time (self time, so nested calls are not counted twice)."""
+    events = [e for e in prof.key_averages() if e.count]
+    device_s = sum(e.self_device_time_total for e in events) / 1e6
+    ranked = {
+        "device": sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: e.self_device_time_total,
+                         reverse=True)[:top],
+        "host": sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top],
+    }
+    return {"wall_s": wall_s, "device_busy_s": device_s, "device_busy_share": device_s / wall_s if wall_s else 0.0,
+            **{f"top_{kind}": [{"op": e.key, "calls": e.count, "self_device_s": e.self_device_time_total / 1e6,
+                                "self_host_s": e.self_cpu_time_total / 1e6} for e in ops]
+               for kind, ops in ranked.items()}}
 
 
 def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
@@ -130,8 +158,10 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
             "boundary_s_per_microbatch": boundary, "batches": batches}
 
 
-def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
-    """The same steps as one transformers model in this process: median step and the process's peak."""
+def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
+                    profile_steps: int = 0) -> dict[str, Any]:
+    """The same steps as one transformers model in this process: median step and the process's peak; with
+    `profile_steps`, that many more steps under torch.profiler (`profile_summary`)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -154,8 +184,8 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     autocast = precision.autocast(device, precision.compute_dtype(cfg.model.dtype))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(1 + steps):
+
+    def step(model: Any, optimizer: Any, batch: dict) -> float:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -163,19 +193,31 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
             with autocast:
                 loss = model(**batch).loss
             loss.backward()
+            del loss  # its graph's leaves are the parameters: a live loss keeps the model after `del model`
         if t.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    times = [step(model, optimizer, batch) for _ in range(1 + steps)]
     peak, reserved = _peak_bytes(), _peak_reserved()
-    del model, optimizer
+    profiled = None
+    if profile_steps:  # after the measured steps, so the profiler's overhead is in none of them
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        with profile(activities=activities) as prof:
+            wall = sum(step(model, optimizer, batch) for _ in range(profile_steps))
+        profiled = profile_summary(prof, wall)
+    del model, optimizer, batch
+    gc.collect()  # before the cache is emptied: what a reference cycle still holds is not free to give back
     if cuda:
         torch.cuda.empty_cache()
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": {"process": peak},
-            "peak_reserved_bytes": {"process": reserved}}
+            "peak_reserved_bytes": {"process": reserved}, **({"profile": profiled} if profiled else {})}
 
 
 def choose_precision(base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None,
@@ -202,7 +244,7 @@ def choose_precision(base: str, settings: list[str], mc: Any, patches: int, devi
 
 def run(quick: bool, model: str | None = None, sides: list[int] | None = None, steps: int | None = None,
         microbatches: int = 2, precision: str | None = None,
-        on_side: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        on_side: Callable[[dict[str, Any]], None] | None = None, profile_steps: int = 0) -> dict[str, Any]:
     """Both systems at each side, smallest first. `on_side` is handed the result so far after each side
     (`complete` false until the last), so a run cut off by a time limit keeps the sides it finished."""
     import ray
@@ -242,7 +284,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                 predicted = plan(cfg, mc, vision_patches=patches(side))["ranks"]
                 try:
                     dhp = run_dhp(cfg, mc, sample, microbatches, steps)
-                    alone = run_one_process(cfg, mc, sample, microbatches, steps)
+                    alone = run_one_process(cfg, mc, sample, microbatches, steps, profile_steps)
                 except Exception as e:  # an OOM at the largest image is a finding: keep it and the sides before
                     error = f"{type(e).__name__}: {e}"[:2000]
                     head["failed"] = {"side": side, "patches": patches(side), "error": error}
@@ -255,6 +297,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                         "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
                         "peak_reserved_bytes": r["peak_reserved_bytes"],
                         "calls_s": r.get("calls_s", {}),
+                        **{k: r[k] for k in ("profile",) if k in r},
                         **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch") if k in r},
                         "planned_bytes": {s: p.total for s, p in predicted.items()} if cuda and system == "dhp" else {},
                         "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
@@ -291,6 +334,13 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {r['patches']} | {r['system']} | {r['step_s']:.3f} | {r['vision_tokens_per_s']:.0f} | "
                      f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
                      f"{bubble} | {boundary} | {ratio} |")
+    for r in result["rows"]:
+        if "profile" in r:
+            prof = r["profile"]
+            top = ", ".join(f"{o['op']} {o['self_device_s'] * 1e3:.0f} ms" for o in prof["top_device"][:3])
+            lines.append(f"\nprofiled {r['patches']} patches, {r['system']}: device busy "
+                         f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s; "
+                         f"most device time: {top or 'none (no device)'}")
     if "failed" in result:
         lines.append(f"\nfailed at {result['failed']['patches']} patches: {result['failed']['error'][:300]}")
     return "\n".join(lines)
@@ -304,7 +354,8 @@ def main(args: argparse.Namespace) -> int:
             write_json(args.json, partial)
         print(table(partial), flush=True)
 
-    result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision, finished_side)
+    result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision, finished_side,
+                 args.profile)
     if args.json:
         write_json(args.json, result)
     if not result["complete"]:
@@ -322,6 +373,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--sides", default=None, help="image sides in px, comma-separated (default 448,896,1792)")
     p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up (default 20)")
     p.add_argument("--microbatches", type=int, default=2, help="one-image micro-batches per step (default 2)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the measured steps, run this many more of the one-process loop under torch.profiler "
+                        "and keep the device's busy share and the top operators in the JSON (default 0: none)")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16"],
                    help="model.precision for both systems (default: the preset's if `dhp plan` fits it on the "
                         "device at the largest side, else bf16)")

