@@ -20,7 +20,8 @@
 # already runs STEPS="one_gpu peers" and the tests as a second call), MODEL (one-gpu's shape, default
 # qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a device), SIDES
 # (one-gpu's image sides in px, e.g. 896,1792; default the bench's 448,896,1792), PROFILE (one-gpu: this many
-# profiled steps of the one-process loop, default 2), STOP_RAY=0 (do not `ray stop --force` after each step; only
+# profiled steps of the one-process loop, default 2), LIMIT_S (one step alone: its limit, default 570; e.g. 220
+# for the tests as a second call on a warm machine), STOP_RAY=0 (do not `ray stop --force` after each step; only
 # for a machine where other Ray work runs).
 #
 # Each step writes its log and JSON under $OUT (the device tool's folder that comes back, at most 8 files;
@@ -92,9 +93,9 @@ step() {
 }
 
 case "$STEP" in
-  tests)   step tests 570 ;;  # + 15 s to die + Ray's stop: inside a call's 600 s
-  one-gpu) step one_gpu 570 ;;
-  peers)   step peers 570 ;;
+  tests)   step tests "${LIMIT_S:-570}" ;;  # + 15 s to die + Ray's stop: inside a call's 600 s
+  one-gpu) step one_gpu "${LIMIT_S:-570}" ;;
+  peers)   step peers "${LIMIT_S:-570}" ;;
   all)
     # counted from the script's start (the unpack and install included); a step may overrun its limit by ~20 s
     # (SIGKILL 15 s after SIGINT, then Ray's stop), so each limit leaves that much of the budget
