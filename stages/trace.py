@@ -115,9 +115,10 @@ BOUNDARY_CALLS = {("vision", "forward"), ("text", "forward_backward"), ("vision"
 ROUNDING_S = 1e-5  # microsecond floats of epoch seconds: comparisons allow for their rounding, nothing more
 
 
-def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]],
-                         ray_events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """`events` with `receive_s` / `send_s` taken from Ray's task profile, and how many found no Ray task.
+def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_events: list[dict[str, Any]],
+                         missing_of_step: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """`events` with `receive_s` / `send_s` taken from Ray's task profile, and how many found no Ray task (of
+    step `missing_of_step` only, when given: a found task's transfers may both read 0 and still be found).
 
     `ray_events` is `ray.timeline()`: per task, one "task::<Class>.<method>" slice on the thread
     "worker:<worker id>", spanning "task:deserialize_arguments", "task:execute" and "task:store_outputs"
@@ -171,7 +172,7 @@ def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]],
             # the task's own parts open and close its slice; a heartbeat's fall in between
             e = dataclasses.replace(e, receive_s=length(min(received, default=None)),
                                     send_s=length(max(sent, key=lambda se: se[1], default=None)))
-        else:
+        elif missing_of_step is None or e.step == missing_of_step:
             missing += 1
         out.append(asdict(e))
     return out, missing

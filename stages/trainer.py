@@ -273,9 +273,8 @@ class Trainer:
                     print(f"warning: Ray's timeline could not be read ({type(e).__name__}: {e}); the trace's "
                           "receive/send read 0", flush=True)
                     return attach_ray_transfers(self.events, [])[0]
-                events, _ = attach_ray_transfers(self.events, timeline)
                 # only the latest step's calls can still arrive: older unmatched ones are gone for good
-                late = sum(e["step"] == latest and not (e["receive_s"] or e["send_s"]) for e in events)
+                events, late = attach_ray_transfers(self.events, timeline, missing_of_step=latest)
                 if not late:
                     return events
                 if time.monotonic() > deadline:

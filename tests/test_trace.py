@@ -158,6 +158,14 @@ def test_ray_transfers_attach_to_the_call_of_the_same_worker_and_time():
     assert [(e["receive_s"], e["send_s"]) for e in got] == [(0.25, 0.5), (0.125, 0.0625), (0.0, 0.0), (0.0, 0.0)]
     assert [e["start"] for e in got] == [e.start for e in events] and all(type(e) is dict for e in got)
 
+    # what the trainer waits for: the latest step's calls not found yet; one found whose transfers both read 0 (a
+    # task with nothing to deserialize or store, at the timeline's microsecond rounding) is not among them
+    events[2].step = 1
+    late = StageEvent("text", 0, "forward_backward", 3, 106.0, 106.5, 1, "w1")
+    _, missing = attach_ray_transfers([*events, late], [*ray_events, *_ray_task("worker:w1", 106.0, 0.0, 0.5, 0.0)],
+                                      missing_of_step=1)
+    assert missing == 1  # events[2]; not `late`, nor the step-0 calls
+
 
 def test_ray_transfers_of_back_to_back_short_calls_stay_their_own():
     """Calls of microseconds (a vision backward of a text-only micro-batch) between tasks a fraction of a millisecond
