@@ -31,6 +31,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=${1:?usage: gpu_session.sh all|tests|one-gpu|peers}
+for s in ${STEPS:-}; do  # before the setup: a misspelt step would be skipped in silence
+  [[ " tests one_gpu peers " == *" $s "* ]] || { echo "unknown step $s in STEPS: tests one_gpu peers" >&2; exit 2; }
+done
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 [ -f .gpu_bundle/site.tar.xz ] || { echo "no .gpu_bundle/site.tar.xz: run scripts/gpu_bundle.sh and carry .gpu_bundle" >&2; exit 2; }
