@@ -101,13 +101,13 @@ def _wait_for_free_device(timeout_s: float = 120.0) -> None:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        free, total = torch.cuda.mem_get_info()
-        if device_released(free, total, torch.cuda.memory_reserved()):
+        (free, total), held = torch.cuda.mem_get_info(), torch.cuda.memory_reserved()
+        if device_released(free, total, held):
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"the dhp actors' device memory was not released within {timeout_s:g} s: "
                                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
-                               f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB held by this process")
+                               f"{held / 2**30:.1f} GiB held by this process")
         time.sleep(1.0)
 
 
@@ -297,8 +297,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                         "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
                         "peak_reserved_bytes": r["peak_reserved_bytes"],
                         "calls_s": r.get("calls_s", {}),
-                        **{k: r[k] for k in ("profile",) if k in r},
-                        **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch") if k in r},
+                        **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "profile") if k in r},
                         "planned_bytes": {s: p.total for s, p in predicted.items()} if cuda and system == "dhp" else {},
                         "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
                         "text_tokens_per_s": microbatches * length / r["step_s"],
