@@ -22,6 +22,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
+from dhp.models.window_attention import group_segment_attention
+
 IGNORE_INDEX = -100
 
 
@@ -38,6 +40,7 @@ class VisionModel(nn.Module):
         super().__init__()
         # fp32 whatever the config's `dtype` says: the stage's precision is dhp's setting (models/precision.py)
         self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config, dtype=torch.float32)
+        group_segment_attention(self.visual)  # one attention call per window length, not per window
         self.out_dim = config.vision_config.out_hidden_size
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -57,13 +57,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision, eager_attention_forward
-from transformers.utils.generic import is_flash_attention_requested
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
 from dhp.models.activation_checkpointing import maybe_checkpoint
 from dhp.models.layout import NOT_SHARDED, Layout, PoolRanks, VitShape
+from dhp.models.window_attention import segment_attention
 
 
 @dataclass(frozen=True)
@@ -172,28 +171,6 @@ class _Ulysses:
         return out.reshape(self.mine, self.sp * local_heads, hd)
 
 
-def _packed_attention(attn, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention inside each segment of cu_seqlens, as transformers computes it. [S, h, hd]."""
-    s, heads, hd = q.shape
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
-    dropout = attn.attention_dropout if attn.training else 0.0
-    common = dict(attention_mask=None, scaling=attn.scaling, dropout=dropout, is_causal=False)
-    if s and is_flash_attention_requested(attn.config):
-        cu = cu_seqlens.to(q.device, torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max())
-        out = interface(
-            attn, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **common
-        )[0]
-        return out.reshape(s, heads, hd)
-    sizes = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    pieces = zip(*(torch.split(t, sizes, dim=2) for t in (q, k, v)))
-    outs = [interface(attn, a, b, c, **common)[0] for a, b, c in pieces if a.shape[2]]  # [1, L, h, hd] each
-    if not outs:  # an empty shard: keep the (empty) result attached to the graph, so every weight gets a grad
-        return v.reshape(s, heads, hd)
-    return torch.cat(outs, dim=1).reshape(s, heads, hd)
-
-
 def _attention(attn, x, rope, cu_seqlens, ulysses: _Ulysses | None) -> torch.Tensor:
     """`Qwen2_5_VLVisionAttention.forward` on a shard; the full-attention variant swaps sequence and heads."""
     s, heads = x.shape[0], attn.num_heads
@@ -201,7 +178,7 @@ def _attention(attn, x, rope, cu_seqlens, ulysses: _Ulysses | None) -> torch.Ten
     q, k = apply_rotary_pos_emb_vision(q, k, *rope)  # local: rotary is per position
     if ulysses is not None:
         q, k, v = ulysses.seq_to_heads(torch.stack((q, k, v), dim=1)).unbind(1)
-    out = _packed_attention(attn, q, k, v, cu_seqlens)
+    out = segment_attention(attn, q, k, v, cu_seqlens)  # one call per window length, not per window
     if ulysses is not None:
         out = ulysses.heads_to_seq(out)
     return attn.proj(out.reshape(s, heads * attn.head_dim))
