@@ -50,7 +50,8 @@ Fields:
                        ZeRO-1 cost beyond their collectives' bytes, on 2 gloo ranks (scripts/bench_ops_sharded.py);
                        null on a GPU
     h2d_gbps           GPU: pinned host -> device copy of 256 MiB; CPU: memory_gbps / 2 (a host copy, per direction)
-    object_store_gbps  bytes / (ray.put in the driver + ray.get in an actor) of a float32 tensor
+    object_store_gbps  bytes / (ray.put in the driver + ray.get in an actor, with its host copy) of a float32 tensor
+                       as the boundary moves it (a `WireTensor`, stages/boundary.py)
     call_latency_s     round trip of `ray.get(actor.noop.remote())` (median)
     efficiency         {"matmul": 1.0, "attention": 1.0, "comm": 1.0}: a measured profile needs no fitted factor;
                        CPU: also vision_forward, vision_backward, text: the op model's compute for a reference
@@ -384,13 +385,17 @@ class _Probe:
         """Seconds to fetch the object behind refs[0] (in a list so Ray hands over the ref, not the value)."""
         import ray
 
+        from dhp.stages.boundary import from_wire
+
         start = time.perf_counter()
-        ray.get(refs[0])
+        from_wire(ray.get(refs[0]))  # as a stage receives a shard: the read, then its own copy on the host
         return time.perf_counter() - start
 
 
 def _ray_rates(ray: Any, nbytes: int, quick: bool) -> dict[str, Any]:
     import torch
+
+    from dhp.stages.boundary import to_wire
 
     probe = ray.remote(num_cpus=0.25)(_Probe).remote()
     try:
@@ -404,7 +409,7 @@ def _ray_rates(ray: Any, nbytes: int, quick: bool) -> dict[str, Any]:
         # The first fetch imports torch in the actor (seconds), so it is a warm-up, not a sample.
         for rep in range(1 + (3 if quick else 6)):
             start = time.perf_counter()
-            ref = ray.put(tensor)
+            ref = ray.put(to_wire(tensor))  # as a stage sends a shard (stages/boundary.py)
             put = time.perf_counter() - start
             rate = nbytes / (put + ray.get(probe.get.remote([ref]))) / GB
             best = max(best, rate) if rep else 0.0

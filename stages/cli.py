@@ -21,6 +21,7 @@
     dhp bench peers [--json PATH] [--quick] [--ranks N]       (vs DeepSpeed ZeRO-3 and uniform TP: speed, longest image)
     dhp bench fine-tuning [--json PATH] [--quick]             (frozen ViT, merger only, frozen LLM vs full: time, bytes)
     dhp bench one-gpu [--json PATH] [--quick] [--model M]     (dhp on one device vs a one-process transformers loop)
+    dhp bench boundary [--json PATH] [--quick]                (moving embeddings + gradients: tensor vs wire format)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -119,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     bdata = bench.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
     bdata.add_argument("--json", default=None, help="write the row here")
     bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
+    from dhp.scripts.bench_boundary import add_parser as add_boundary
     from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
     from dhp.scripts.bench_fine_tuning import add_parser as add_fine_tuning
     from dhp.scripts.bench_memory import add_parser as add_memory
@@ -134,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     add_peers(bench)
     add_fine_tuning(bench)
     add_one_gpu(bench)
+    add_boundary(bench)
     return p
 
 
@@ -235,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             from dhp.scripts.bench_one_gpu import main as bench_one_gpu
 
             return bench_one_gpu(args)
+        elif args.command == "bench" and args.bench_command == "boundary":
+            from dhp.scripts.bench_boundary import main as bench_boundary
+
+            return bench_boundary(args)
         elif args.command == "bench" and args.bench_command == "peers":
             from dhp.scripts.bench_peers import main as bench_peers
 

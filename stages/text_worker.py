@@ -15,7 +15,7 @@ import torch
 from dhp.models.lora import add_lora
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
 from dhp.models.saved_tensors import SavedBytes
-from dhp.stages.boundary import assemble, shard_gradients
+from dhp.stages.boundary import WireTensor, assemble, from_wire, shard_gradients
 from dhp.stages.stage_worker import StageWorker, recorded
 
 
@@ -92,7 +92,7 @@ class TextWorker(StageWorker):
 
     @recorded("forward_backward")
     def forward_backward(
-        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: torch.Tensor,
+        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: WireTensor,
         send_grads: bool = True,
     ) -> tuple | float:
         """(loss of this micro-batch x loss_scale, d loss / d shard_1, ..., d loss / d shard_k); with
@@ -107,7 +107,7 @@ class TextWorker(StageWorker):
         if inputs is None:  # padding for a lockstep (ZeRO-3) replica: no data, every collective
             inputs, loss_scale = self._null_inputs(), 0.0
         with self.moving():
-            received = [s.to(self.device).requires_grad_(send_grads) for s in shards]
+            received = [from_wire(s, self.device).requires_grad_(send_grads) for s in shards]
         measuring = self._measured is not None
         with SavedBytes(self.model) if measuring else contextlib.nullcontext() as outside:
             loss = self._loss_sum(inputs, received) * loss_scale
@@ -120,11 +120,11 @@ class TextWorker(StageWorker):
             return (float(loss.detach()), *shard_gradients(received))
 
     @torch.no_grad()
-    def forward_eval(self, inputs: dict[str, torch.Tensor], *shards: torch.Tensor) -> float:
+    def forward_eval(self, inputs: dict[str, torch.Tensor], *shards: WireTensor) -> float:
         """Summed (not averaged) loss, so the driver can average over all eval label tokens."""
         self.model.eval()
         try:
-            return float(self._loss_sum(inputs, [s.to(self.device) for s in shards]))
+            return float(self._loss_sum(inputs, [from_wire(s, self.device) for s in shards]))
         finally:
             self.model.train()
 

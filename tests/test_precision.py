@@ -13,6 +13,7 @@ import torch
 
 from dhp.dataflow.loader import GlobalBatch
 from dhp.models.precision import PRECISIONS, precision_of
+from dhp.stages.boundary import from_wire
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import _buckets
 from dhp.stages.trainer import Trainer
@@ -74,10 +75,10 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
         # and the gradient the text stage sends back is in the same dtype (what the vision backward is given).
         mb = _microbatch([samples[0]], cfg)
         shards = trainer.vision.forward(0, 99, mb.vision)
-        (shard,) = ray.get(shards)
+        (shard,) = map(from_wire, ray.get(shards))  # stages/boundary.py: bytes + dtype + shape on the wire
         assert str(shard.dtype) == want and shard.device.type == "cpu"
         _, grads = trainer.text.forward_backward(0, 99, mb.text, shards, 1.0)
-        (grad,) = ray.get(grads)
+        (grad,) = map(from_wire, ray.get(grads))
         assert str(grad.dtype) == want and grad.shape == shard.shape and grad.abs().sum() > 0
         ray.get(trainer.vision.backward(0, 99, grads))
     finally:
