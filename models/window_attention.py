@@ -83,25 +83,34 @@ _GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cu_seqlens tensor -> (it
 
 def segment_groups(cu_seqlens: torch.Tensor) -> SegmentGroups:
     """`group_segments`, cached per tensor object (recomputed if it was modified in place)."""
+    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version  # inference tensors keep no counter
     hit = _GROUPS.get(cu_seqlens)
-    if hit is None or hit[0] != cu_seqlens._version:
-        hit = (cu_seqlens._version, group_segments(cu_seqlens))
+    if hit is None or hit[0] != version:
+        hit = (version, group_segments(cu_seqlens))
         _GROUPS[cu_seqlens] = hit
     return hit[1]
 
 
 def segment_attention(
-    attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, **kwargs
+    attn,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    **kwargs,
 ) -> torch.Tensor:
     """Bidirectional attention inside each segment of cu_seqlens: q/k/v [S, h, hd] -> [S, h, hd]. `attn`: a
-    `Qwen2_5_VLVisionAttention` (its config picks the attention function; its scaling and dropout apply)."""
+    `Qwen2_5_VLVisionAttention` (its config picks the attention function; its scaling and dropout apply).
+    `max_seqlen`: the longest segment, if the caller knows it (flash-attn's varlen kernel needs it; else it is
+    read from cu_seqlens, a device sync when that is on the device)."""
     s, heads, hd = q.shape
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     dropout = attn.attention_dropout if attn.training else 0.0
     common = dict(attention_mask=None, scaling=attn.scaling, dropout=dropout, is_causal=False, **kwargs)
     if s and is_flash_attention_requested(attn.config):  # the varlen kernel takes the segments as they are
         cu = cu_seqlens.to(q.device, torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max())
+        longest = int(max_seqlen) if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
         out = interface(
             attn, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **common
@@ -137,7 +146,7 @@ class GroupedVisionAttention(Qwen2_5_VLVisionAttention):
         s = hidden_states.shape[0]
         q, k, v = self.qkv(hidden_states).reshape(s, 3, self.num_heads, -1).unbind(1)
         q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
-        out = segment_attention(self, q, k, v, cu_seqlens, **kwargs)
+        out = segment_attention(self, q, k, v, cu_seqlens, max_seqlen, **kwargs)
         return self.proj(out.reshape(s, -1).contiguous())
 
 

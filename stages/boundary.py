@@ -52,7 +52,9 @@ class WireTensor:
 
 
 def to_wire(t: torch.Tensor) -> WireTensor:
-    """A tensor (any device) -> its bytes on the host, for Ray's object store (one device->host copy, if any)."""
+    """A tensor (any device) -> its bytes on the host, for Ray's object store (one device->host copy, if any).
+    A contiguous CPU tensor is not copied: the array shares its memory until Ray serializes it (a call's return
+    value, `ray.put`), so the tensor must not change in between."""
     t = t.detach().to("cpu").contiguous()
     return WireTensor(t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
 

@@ -145,3 +145,15 @@ def test_grouped_attention_matches_transformers_on_cuda(dtype, tol):
     assert rel_err(out.float(), ref_out.float()) < tol
     for name, ref in ref_grads.items():
         assert rel_err(grads[name].float(), ref.float()) < tol, name
+
+
+def test_grouped_attention_runs_under_inference_mode():
+    """Inference tensors keep no version counter: the grouping cache must not ask for one."""
+    model = VisionModel(architecture_config("tiny")).eval()
+    grid = torch.tensor([[1, 16, 20]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), 1176)
+    with torch.no_grad():
+        want = model(pixels, grid)
+    with torch.inference_mode():
+        got = model(pixels, grid)
+    assert torch.equal(got, want)
