@@ -54,9 +54,12 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
     assert saved["pipeline"]["max_in_flight"] >= 2
     # A user reads an ERROR as a failure: no ERROR-level line from Ray's internals (its C++ logs print ` E `,
     # e.g. Ray Data's map actors restarting with object-store arguments, dataflow/loader.py), no deprecations.
+    # One exception: the raylet's disk monitor (`file_system_monitor.cc`, "... is over 95% full") reports the
+    # host's free disk, which no run of dhp causes or can silence; a CI host near full must not fail this test.
     output = proc.stdout + proc.stderr
     noisy = [line for line in output.splitlines()
-             if re.search(r"\bERROR\b|\[\d{4}-\d\d-\d\d [\d:,]+ E \d+ \d+\]|DeprecationWarning", line)]
+             if re.search(r"\bERROR\b|\[\d{4}-\d\d-\d\d [\d:,]+ E \d+ \d+\]|DeprecationWarning", line)
+             and "file_system_monitor.cc" not in line]
     assert not noisy, noisy[:5]
     # What is placed where is printed at start: two ranks per pool, sharing bundles.
     assert "placement: shared" in proc.stdout and proc.stdout.count("vision rank") == 2
