@@ -86,3 +86,17 @@ def test_lora_targets_that_match_nothing_fail_at_the_plan():
     cfg = load_config("tiny", ["text.train=lora", "text.lora.targets=qkv"])
     with pytest.raises(ConfigError, match=r"text.lora.targets \['qkv'\] match no Linear"):
         plan(cfg, model_config_of(cfg))
+
+
+def test_vision_graphs_alive_are_capped_by_the_micro_batches_of_a_step():
+    """Each vision micro-batch in flight keeps its graph until its backward: `pipeline.max_in_flight` of them,
+    but a step of 2 samples has at most 2 micro-batches (the H200's 7B at 16 k patches was planned for 3)."""
+    def vision(*overrides: str) -> int:
+        cfg = load_config("qwen2_5_vl_7b", list(overrides))
+        return plan(cfg, model_config_of(cfg), vision_patches=4096)["ranks"]["vision"].activations
+
+    one = vision("pipeline.max_in_flight=1")
+    assert one > 0
+    assert vision("pipeline.max_in_flight=3", "training.global_batch_size=8") == 3 * one
+    assert vision("pipeline.max_in_flight=3", "training.global_batch_size=2") == 2 * one
+    assert vision("pipeline.max_in_flight=2", "training.global_batch_size=8") == 2 * one
