@@ -173,6 +173,11 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
             "boundary_s_per_microbatch": boundary, "batches": batches}
 
 
+def _system(boundary: str) -> str:
+    """A dhp row's name: plain "dhp" for the default boundary (the name earlier JSON files use)."""
+    return "dhp" if boundary == "host" else f"dhp {boundary}"
+
+
 def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
                     profile_steps: int = 0) -> dict[str, Any]:
     """The same steps as one transformers model in this process: median step and the process's peak; with
@@ -259,8 +264,10 @@ def choose_precision(base: str, settings: list[str], mc: Any, patches: int, devi
 
 def run(quick: bool, model: str | None = None, sides: list[int] | None = None, steps: int | None = None,
         microbatches: int = 2, precision: str | None = None,
-        on_side: Callable[[dict[str, Any]], None] | None = None, profile_steps: int = 0) -> dict[str, Any]:
-    """Both systems at each side, smallest first. `on_side` is handed the result so far after each side
+        on_side: Callable[[dict[str, Any]], None] | None = None, profile_steps: int = 0,
+        boundaries: tuple[str, ...] = ("host",)) -> dict[str, Any]:
+    """Both systems at each side, smallest first; dhp once per `pipeline.boundary` in `boundaries` (a row
+    each: "dhp" for host, "dhp cuda_ipc", ...). `on_side` is handed the result so far after each side
     (`complete` false until the last), so a run cut off by a time limit keeps the sides it finished."""
     import ray
     import torch
@@ -296,32 +303,44 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
             for side in sides:
                 sample, length = samples[side], len(samples[side]["input_ids"])
                 cfg = load_config(base, [*settings[side], f"model.precision={precision}"])
-                predicted = plan(cfg, mc, vision_patches=patches(side))["ranks"]
+                planned = {s: p.total for s, p in plan(cfg, mc, vision_patches=patches(side))["ranks"].items()}
                 try:
-                    dhp = run_dhp(cfg, mc, sample, microbatches, steps)
+                    dhps = {}
+                    for boundary in boundaries:
+                        try:
+                            dhps[boundary] = run_dhp(
+                                load_config(base, [*settings[side], f"model.precision={precision}",
+                                                   f"pipeline.boundary={boundary}"]), mc, sample, microbatches, steps)
+                        except Exception as e:  # a later transport (alpha in Ray) failing keeps the others' rows
+                            if boundary == boundaries[0]:
+                                raise
+                            error = f"{type(e).__name__}: {e}"[:2000]
+                            head.setdefault("failed_boundaries", {})[boundary] = error
+                            print(f"side {side}, pipeline.boundary={boundary}: {error}", flush=True)
                     alone = run_one_process(cfg, mc, sample, microbatches, steps, profile_steps)
                 except Exception as e:  # an OOM at the largest image is a finding: keep it and the sides before
                     error = f"{type(e).__name__}: {e}"[:2000]
                     head["failed"] = {"side": side, "patches": patches(side), "error": error}
                     print(f"side {side}: {error}", flush=True)
                     break
-                batches = dhp.pop("batches")
-                for system, r in (("dhp", dhp), ("one process", alone)):
+                batches = [r.pop("batches") for r in dhps.values()][0]  # the same batches for each
+                systems = [(_system(b), r) for b, r in dhps.items()]
+                for system, r in [*systems, ("one process", alone)]:
                     rows.append({
                         "side": side, "patches": patches(side), "sample_tokens": length, "system": system,
                         "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
                         "peak_reserved_bytes": r["peak_reserved_bytes"],
                         "calls_s": r.get("calls_s", {}),
                         **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "profile") if k in r},
-                        "planned_bytes": {s: p.total for s, p in predicted.items()} if cuda and system == "dhp" else {},
+                        "planned_bytes": planned if cuda and r is not alone else {},
                         "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
                         "text_tokens_per_s": microbatches * length / r["step_s"],
-                        **throughput(batches, mc, r["step_s"], dhp["peak_flops"]),
+                        **throughput(batches, mc, r["step_s"], systems[0][1]["peak_flops"]),
                     })
-                rows[-2]["ratio"] = rows[-1]["step_s"] / rows[-2]["step_s"]  # dhp's tokens/s over the loop's
-                # of dhp's step: both pools' rank 0 moving embeddings and gradients (they may overlap other work)
-                moved = dhp["boundary_s_per_microbatch"]["boundary_s"]
-                rows[-2]["boundary_share"] = microbatches * moved / dhp["step_s"]
+                for row, (_, r) in zip(rows[-1 - len(systems):-1], systems):
+                    row["ratio"] = alone["step_s"] / r["step_s"]  # dhp's tokens/s over the loop's
+                    # of dhp's step: both pools' rank 0 moving embeddings and gradients (they may overlap other work)
+                    row["boundary_share"] = microbatches * r["boundary_s_per_microbatch"]["boundary_s"] / r["step_s"]
                 if on_side:
                     on_side({**head, "complete": side == sides[-1], "rows": rows})
     finally:
@@ -355,6 +374,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"\nprofiled {r['patches']} patches, {r['system']}: device busy "
                          f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s; "
                          f"most device time: {top or 'none (no device)'}")
+    for boundary, error in result.get("failed_boundaries", {}).items():
+        lines.append(f"\npipeline.boundary={boundary} failed: {error[:300]}")
     if "failed" in result:
         lines.append(f"\nfailed at {result['failed']['patches']} patches: {result['failed']['error'][:300]}")
     return "\n".join(lines)
@@ -369,7 +390,7 @@ def main(args: argparse.Namespace) -> int:
         print(table(partial), flush=True)
 
     result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision, finished_side,
-                 args.profile)
+                 args.profile, tuple(args.boundaries.split(",")))
     if args.json:
         write_json(args.json, result)
     if not result["complete"]:
@@ -390,6 +411,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after the measured steps, run this many more of the one-process loop under torch.profiler "
                         "and keep the device's busy share and the top operators in the JSON (default 0: none)")
+    p.add_argument("--boundaries", default="host",
+                   help="pipeline.boundary values to run dhp with, comma-separated, one row each (default host; "
+                        "host,cuda_ipc on a GPU compares Ray's object store with CUDA IPC)")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16"],
                    help="model.precision for both systems (default: the preset's if `dhp plan` fits it on the "
                         "device at the largest side, else bf16)")

@@ -20,7 +20,8 @@
 # already runs STEPS="one_gpu peers" and the tests as a second call), MODEL (one-gpu's shape, default
 # qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a device), SIDES
 # (one-gpu's image sides in px, e.g. 896,1792; default the bench's 448,896,1792), BENCH_STEPS (one-gpu's measured
-# steps per size, default 20), PROFILE (one-gpu: this many profiled steps of the one-process loop, default 2),
+# steps per size, default 20), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc;
+# default host), PROFILE (one-gpu: this many profiled steps of the one-process loop, default 2),
 # LIMIT_S (one step alone: its limit, default 570; e.g. 220 for the tests as a second call on a warm machine),
 # STOP_RAY=0 (do not `ray stop --force` after each step; only
 # for a machine where other Ray work runs).
@@ -66,6 +67,7 @@ one_gpu() {  # MODEL=tiny: the tiny shape (how this script is checked on a CPU)
   [ "${MODEL:-}" = tiny ] && model=(--quick)
   [ -n "${SIDES:-}" ] && model+=(--sides "$SIDES")
   [ -n "${BENCH_STEPS:-}" ] && model+=(--steps "$BENCH_STEPS")
+  [ -n "${BOUNDARIES:-}" ] && model+=(--boundaries "$BOUNDARIES")
   python3 -m dhp.stages.cli bench one-gpu "${model[@]}" --profile "${PROFILE:-2}" --json "$OUT/one_gpu.json" \
     > "$OUT/one_gpu.log" 2>&1
 }

@@ -95,14 +95,18 @@ class ActorGroup:
         placement_timeout_s: float = 300,
         placement: list[tuple[Any, int]] | None = None,
         ledger: CallLedger | None = None,
+        tensor_transport: bool = False,
     ):
         """`placement`: (placement group, bundle index) per actor (placement.py); None = anywhere. Every call
-        made through `actors` is written to `ledger` (which call each rank is in, for the hang report)."""
+        made through `actors` is written to `ledger` (which call each rank is in, for the hang report).
+        `tensor_transport`: the actors may return tensors through Ray Direct Transport (`pipeline.boundary`);
+        off unless asked, since Ray then runs every call of the actor on a background thread."""
         if num_actors % degree:
             raise ValueError(f"{name}: {num_actors} actors cannot form groups of {degree}")
         self.name, self.degree, self.dp = name, degree, num_actors // degree
         self.ledger = ledger if ledger is not None else CallLedger()
-        remote_cls = ray.remote(concurrency_groups={"health": 1})(worker_cls)
+        rdt = {"enable_tensor_transport": True} if tensor_transport else {}
+        remote_cls = ray.remote(concurrency_groups={"health": 1}, **rdt)(worker_cls)
 
         def options(rank: int) -> dict[str, Any]:
             if placement is None:

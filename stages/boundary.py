@@ -28,6 +28,17 @@ a torch tensor goes through torch's own pickling (`torch.save` into bytes, then 
 0.5 ms instead of ~24 (`to_wire` / `from_wire`; measured in docs/benchmarks.md). The H200 run of 2026-11-26
 spent 164 ms per micro-batch in Ray's part of the boundary at 16 k patches with plain tensors.
 
+How they travel is `pipeline.boundary`, one `Transport` object the workers and pools ask (`transport_of`):
+  host      (default) a `WireTensor` through Ray's object store: one device->host copy on the sender, one
+            host->device copy on the receiver; works everywhere (CPU, GPUs, across nodes).
+  cuda_ipc  the tensor stays on the GPU: the call returns it through Ray Direct Transport's CUDA IPC transport
+            (alpha in Ray 2.60), the receiver maps the sender's memory and copies it on the device (its own
+            memory, as `from_wire`'s contract). One-sided, no collective group, but only between actors Ray
+            gave the *same* GPU, on one node: the pools must share one GPU (`pipeline.placement=shared`,
+            one actor each, fractional `num_gpus_per_actor`); `check` refuses anything else up front. A Ray
+            Direct Transport call has one return value, so the text rank sends its shard gradients by one
+            `gradient(mb_id, j)` call each instead of as extra returns of `forward_backward`.
+
 Preconditions: shards arrive in vision-rank order; `merged_index` is a permutation of range(N) computed
 by the loader from the same plan that cut the pixels; D matches the text hidden size.
 """
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -79,6 +91,71 @@ def assemble(shards: list[torch.Tensor], merged_index: torch.Tensor | None) -> t
     return flat.new_empty(flat.shape).index_copy(0, merged_index.to(flat.device), flat)
 
 
-def shard_gradients(shards: list[torch.Tensor]) -> list[WireTensor]:
+def shard_gradients(shards: list[torch.Tensor]) -> list[torch.Tensor]:
     """The gradient of each received shard (zeros where the loss did not reach it), for the vision ranks."""
-    return [to_wire(s.grad if s.grad is not None else torch.zeros_like(s, device="cpu")) for s in shards]
+    return [s.grad if s.grad is not None else torch.zeros_like(s) for s in shards]
+
+
+class Transport:
+    """How boundary tensors travel between the pools (`pipeline.boundary`; module docstring)."""
+
+    name: ClassVar[str] = ""
+    ray_transport: ClassVar[str | None] = None  # Ray's `tensor_transport` for the crossing calls; None: object store
+
+    def send(self, t: torch.Tensor) -> Any:
+        """What a crossing call returns for tensor `t` (the sender must not change `t` afterwards)."""
+        raise NotImplementedError
+
+    def receive(self, x: Any, device: torch.device | str) -> torch.Tensor:
+        """What `send` returned, as the receiver's own tensor on `device`."""
+        raise NotImplementedError
+
+    def check(self, cfg: Any) -> str | None:
+        """Why this transport cannot connect the configured pools (None: it can)."""
+        return None
+
+
+class HostTransport(Transport):
+    name = "host"
+
+    def send(self, t: torch.Tensor) -> WireTensor:
+        return to_wire(t)
+
+    def receive(self, x: WireTensor, device: torch.device | str) -> torch.Tensor:
+        return from_wire(x, device)
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+    ray_transport = "CUDA_IPC"
+
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        # Ray's GPU object store keeps it (and so its memory) until every reference to the call's result is gone
+        return t.detach().contiguous()
+
+    def receive(self, x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+        # x maps the sender's memory (the receiving stream already waits on the sender's event): a copy of our own
+        return x.to(device, copy=True)
+
+    def check(self, cfg: Any) -> str | None:
+        pools = (cfg.vision, cfg.text)
+        if all(0 < s.num_gpus_per_actor < 1 for s in pools) and cfg.pipeline.shared and \
+                cfg.vision.num_actors == cfg.text.num_actors == 1:
+            return None
+        return ("pipeline.boundary=cuda_ipc maps GPU memory between actors Ray gave the same GPU, so both pools "
+                "must share one GPU: pipeline.placement=shared, vision.num_actors=text.num_actors=1, and "
+                "vision.num_gpus_per_actor and text.num_gpus_per_actor between 0 and 1 (e.g. 0.5 each); got "
+                f"placement {cfg.pipeline.placement}, {cfg.vision.num_actors} vision and {cfg.text.num_actors} "
+                f"text actors with {cfg.vision.num_gpus_per_actor:g} and {cfg.text.num_gpus_per_actor:g} GPUs "
+                "each. Use pipeline.boundary=host otherwise")
+
+
+TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (HostTransport, CudaIpcTransport)}
+
+
+def transport_of(name: str) -> Transport:
+    """The `pipeline.boundary` string as the object everything asks."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"pipeline.boundary must be one of {', '.join(TRANSPORTS)}, got {name!r}")
+    return TRANSPORTS[name]()
+

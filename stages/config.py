@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from dhp.stages.boundary import Transport, transport_of
 from dhp.stages.placement_modes import PlacementMode, placement_mode
 
 # training.on_checkpoint_error -> whether a failed save stops the run (else it retries at the next interval)
@@ -167,11 +168,17 @@ class PipelineConfig:
     max_in_flight: int = 3  # vision forwards that may run ahead of the text stage (1 = serial, no overlap)
     placement: Literal["shared", "disjoint"] = "shared"  # shared: vision+text actors share bundles (GPUs)
     trace: bool = False  # write RUN_DIR/trace.json: every stage call on a timeline (chrome://tracing)
+    boundary: Literal["host", "cuda_ipc"] = "host"  # how vision outputs / their gradients travel (stages/boundary.py)
 
     @property
     def placement_mode(self) -> PlacementMode:
         """The `placement` string as the object everything asks (stages/placement_modes.py)."""
         return placement_mode(self.placement)
+
+    @property
+    def transport(self) -> Transport:
+        """The `boundary` string as the object workers and pools ask (stages/boundary.py)."""
+        return transport_of(self.boundary)
 
     @property
     def shared(self) -> bool:

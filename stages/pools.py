@@ -11,19 +11,23 @@ Which transfer path a boundary tensor takes (the merged vision tokens [N, D] and
   is written once into Ray's shared-memory object store and the consumer on that node reads it from
   there; no socket, no driver hop. On CPU that is the only copy.
 - different nodes: Ray's object manager pulls it node to node (one network copy).
-- GPU actors: stage outputs are staged through host memory (`.cpu()` in the worker, `.to(device)` in the
-  receiver): one device-to-host and one host-to-device copy. Ray Direct Transport would keep them on the
-  GPU, but it runs its collectives on the actor's *default* process group (DESIGN.md §6), which here is
-  the pool's own world, so it cannot link a vision actor to a text actor; CUDA IPC between two actors'
-  pools is left for when that lands. The tensors are small (merged tokens: patches / 4 x hidden).
+- GPU actors (`pipeline.boundary=host`): stage outputs are staged through host memory (a `WireTensor`): one
+  device-to-host and one host-to-device copy. `pipeline.boundary=cuda_ipc` keeps them on the GPU when the
+  two pools share one (Ray Direct Transport's CUDA IPC: the receiver maps the sender's memory). Ray's
+  collective transports (gloo, NCCL) are not used: they run on the actor's *default* process group
+  (DESIGN.md §6), which here is the pool's own world, so they cannot link a vision actor to a text actor.
+  Which calls cross and with which Ray transport: `_crossing` below; the transport itself: stages/boundary.py.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ray
 
 from dhp.models.layout import Layout
 from dhp.stages.actor_group import ActorGroup
+from dhp.stages.boundary import HostTransport, Transport
 from dhp.stages.config import Config, ConfigError
 
 
@@ -75,6 +79,9 @@ def check_layout(cfg: Config, model_config=None) -> None:
     why = check_fan(dp_v, dp_t, lockstep["vision"], lockstep["text"], cfg.pipeline.max_in_flight)
     if why:
         raise ConfigError(why)
+    why = cfg.pipeline.transport.check(cfg)
+    if why:
+        raise ConfigError(why)
     if cfg.training.global_batch_size % dp_t:
         raise ConfigError(
             f"training.global_batch_size={cfg.training.global_batch_size} is not divisible by the {dp_t} text "
@@ -89,6 +96,7 @@ class StagePool(ActorGroup):
     such a pool acts on. Which ranks run a call and whose output crosses the boundary is the layout's answer."""
 
     layout: Layout  # the stage's layout object, set by the trainer
+    transport: Transport = HostTransport()  # how boundary tensors travel (`pipeline.boundary`), set by the trainer
     trains: bool = True  # False: nothing of the stage trains (models/fine_tuning.py): no backward, no step
 
     @property
@@ -117,6 +125,12 @@ class StagePool(ActorGroup):
         return self.execute_all_async("optimizer_step", clip_coef)
 
 
+    def _crossing(self, method: Any) -> Any:
+        """An actor method whose return value crosses to the other pool, under the boundary's Ray transport."""
+        ray_transport = self.transport.ray_transport
+        return method.options(tensor_transport=ray_transport) if ray_transport else method
+
+
 class VisionPool(StagePool):
     def forward(self, replica: int, mb_id: int, inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
         """inputs[j]: rank j's pixels -> refs of the merged-token shards, one per rank (boundary.py).
@@ -124,7 +138,8 @@ class VisionPool(StagePool):
         inputs None: a padding micro-batch (see the class docstring): no call unless the layout is lockstep.
         The layout says what each rank encodes and whose output crosses (`rank_inputs`, `crossing`)."""
         per_rank = self.layout.rank_inputs(inputs)
-        return self.layout.crossing([a.forward.remote(mb_id, x) for a, x in zip(self.replica(replica), per_rank)])
+        return self.layout.crossing([self._crossing(a.forward).remote(mb_id, x)
+                                     for a, x in zip(self.replica(replica), per_rank)])
 
     def backward(self, replica: int, mb_id: int, grads: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
         """grads[j]: d loss / d crossing output j; none only for a padding micro-batch (zeros)."""
@@ -133,7 +148,8 @@ class VisionPool(StagePool):
 
     def forward_eval(self, replica: int, inputs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
         per_rank = self.layout.rank_inputs(inputs)
-        return self.layout.crossing([a.forward_eval.remote(x) for a, x in zip(self.replica(replica), per_rank)])
+        return self.layout.crossing([self._crossing(a.forward_eval).remote(x)
+                                     for a, x in zip(self.replica(replica), per_rank)])
 
 
 class TextPool(StagePool):
@@ -154,9 +170,12 @@ class TextPool(StagePool):
             return None, []
         first, *others = self.replica(replica)
         send = bool(shards) and want_grads
-        out = first.forward_backward.options(num_returns=1 + len(shards) * send).remote(
+        separate = send and self.transport.ray_transport is not None  # one return per Ray Direct Transport call
+        out = first.forward_backward.options(num_returns=1 + len(shards) * (send and not separate)).remote(
             mb_id, inputs, loss_scale, *shards, send_grads=send)
-        out = out if send else [out]  # one return is a bare reference (no gradients asked)
+        out = out if send and not separate else [out]  # one return is a bare reference
+        if separate:
+            out += [self._crossing(first.gradient).remote(mb_id, j) for j in range(len(shards))]
         for a in others:
             a.forward_backward.options(num_returns=1).remote(mb_id, inputs, loss_scale, *shards, send_grads=False)
         return out[0], list(out[1:])

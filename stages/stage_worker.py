@@ -138,6 +138,7 @@ class StageWorker(DistributedWorker):
         self.recorder = EventRecorder(self.stage, self.rank, ray.get_runtime_context().get_worker_id())
         self.layout = stage_layout(self.cfg, self.stage, self.model_config)
         self.precision = precision_of(self.cfg.model.precision)
+        self.transport = self.cfg.pipeline.transport  # how boundary tensors leave and arrive (stages/boundary.py)
         self.fine_tuning = FineTuning(self.cfg)
         self.trains = self.fine_tuning.trains(self.stage)
         self.model, self.full_shapes = build_stage(

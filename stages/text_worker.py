@@ -15,12 +15,16 @@ import torch
 from dhp.models.lora import add_lora
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
 from dhp.models.saved_tensors import SavedBytes
-from dhp.stages.boundary import WireTensor, assemble, from_wire, shard_gradients
+from dhp.stages.boundary import WireTensor, assemble, shard_gradients
 from dhp.stages.stage_worker import StageWorker, recorded
 
 
 class TextWorker(StageWorker):
     stage = "text"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.outgoing: dict[int, dict[int, torch.Tensor]] = {}  # mb_id -> shard j -> its gradient, until `gradient`
 
     def build_model(self, model_config: Any) -> TextModel:
         return TextModel(model_config)
@@ -92,12 +96,13 @@ class TextWorker(StageWorker):
 
     @recorded("forward_backward")
     def forward_backward(
-        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: WireTensor,
+        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: WireTensor | torch.Tensor,
         send_grads: bool = True,
     ) -> tuple | float:
         """(loss of this micro-batch x loss_scale, d loss / d shard_1, ..., d loss / d shard_k); with
         `send_grads` False only the loss, and the shards' gradients are not even computed (the pool asks
-        this of every rank but the replica's first: theirs would be identical copies).
+        this of every rank but the replica's first: theirs would be identical copies). Under a Ray Direct
+        Transport boundary (one return per call) only the loss, and the gradients wait for `gradient`.
 
         loss_scale is 1 / label tokens of the whole global batch (all replicas), which makes the
         accumulated, data-parallel-summed gradient that of the mean loss over the global batch, however
@@ -107,7 +112,7 @@ class TextWorker(StageWorker):
         if inputs is None:  # padding for a lockstep (ZeRO-3) replica: no data, every collective
             inputs, loss_scale = self._null_inputs(), 0.0
         with self.moving():
-            received = [from_wire(s, self.device).requires_grad_(send_grads) for s in shards]
+            received = [self.transport.receive(s, self.device).requires_grad_(send_grads) for s in shards]
         measuring = self._measured is not None
         with SavedBytes(self.model) if measuring else contextlib.nullcontext() as outside:
             loss = self._loss_sum(inputs, received) * loss_scale
@@ -116,15 +121,27 @@ class TextWorker(StageWorker):
         loss.backward()
         if not send_grads:
             return float(loss.detach())
+        if self.transport.ray_transport is not None:
+            self.outgoing[mb_id] = dict(enumerate(shard_gradients(received)))
+            return float(loss.detach())
         with self.moving():
-            return (float(loss.detach()), *shard_gradients(received))
+            return (float(loss.detach()), *[self.transport.send(g) for g in shard_gradients(received)])
+
+    def gradient(self, mb_id: int, j: int) -> torch.Tensor:
+        """d loss / d shard j of micro-batch `mb_id`, kept by its `forward_backward` (Ray Direct Transport
+        boundary: the pool asks once per shard, right after that call)."""
+        left = self.outgoing[mb_id]
+        g = left.pop(j)
+        if not left:
+            del self.outgoing[mb_id]
+        return self.transport.send(g)  # no copy: it stays on the device (not timed as one)
 
     @torch.no_grad()
-    def forward_eval(self, inputs: dict[str, torch.Tensor], *shards: WireTensor) -> float:
+    def forward_eval(self, inputs: dict[str, torch.Tensor], *shards: WireTensor | torch.Tensor) -> float:
         """Summed (not averaged) loss, so the driver can average over all eval label tokens."""
         self.model.eval()
         try:
-            return float(self._loss_sum(inputs, [from_wire(s, self.device) for s in shards]))
+            return float(self._loss_sum(inputs, [self.transport.receive(s, self.device) for s in shards]))
         finally:
             self.model.train()
 

@@ -134,8 +134,10 @@ class Trainer:
             stage, worker_cls, s.num_actors, init_args=(self.cfg, self.model_config),
             num_cpus=s.num_cpus_per_actor, num_gpus=s.num_gpus_per_actor, torch_threads=s.torch_threads,
             degree=s.degree, placement=getattr(self.placement, stage), ledger=self.ledger,
+            tensor_transport=self.cfg.pipeline.transport.ray_transport is not None,
         )
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
+        pool.transport = self.cfg.pipeline.transport
         pool.trains = self.fine_tuning.trains(stage)
         return pool
 

@@ -15,7 +15,7 @@ import torch
 
 from dhp.models.qwen2_5_vl import VisionModel
 from dhp.models.saved_tensors import SavedBytes
-from dhp.stages.boundary import WireTensor, from_wire, to_wire
+from dhp.stages.boundary import WireTensor
 from dhp.stages.stage_worker import StageWorker, recorded
 
 
@@ -49,7 +49,7 @@ class VisionWorker(StageWorker):
             return self.layout.vision_forward(self.model, pixels, grid, self.ranks)
 
     @recorded("forward")
-    def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> WireTensor:
+    def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> WireTensor | torch.Tensor:
         """inputs None: a padding micro-batch of a lockstep (ZeRO-3) replica."""
         measuring = self._measured is not None and inputs is not None  # measure_activations: the encoder call
         with SavedBytes(self.model) if measuring else contextlib.nullcontext() as saved, \
@@ -61,24 +61,25 @@ class VisionWorker(StageWorker):
         if embeds.requires_grad:
             self.pending[mb_id] = embeds
         with self.moving():  # in the dtype it was computed in: bf16 under autocast, half fp32's bytes to move
-            return to_wire(embeds)  # [n, D] bytes on the host (stages/boundary.py)
+            return self.transport.send(embeds)  # [n, D]: bytes on the host, or the GPU tensor (stages/boundary.py)
 
     @recorded("backward")
-    def backward(self, mb_id: int, grad: WireTensor | None) -> int:
+    def backward(self, mb_id: int, grad: WireTensor | torch.Tensor | None) -> int:
         """grad None: a padding micro-batch, whose (placeholder) output got no gradient: zeros."""
         embeds = self.pending.pop(mb_id, None)  # None: a text-only micro-batch had nothing to encode
         if embeds is not None:
             # Even an empty SP shard runs its backward: its graph holds the all-to-alls the other ranks
             # of the replica are about to join (invariant 2).
             with self.moving():
-                grad = torch.zeros_like(embeds) if grad is None else from_wire(grad, embeds.device).to(embeds.dtype)
+                grad = (torch.zeros_like(embeds) if grad is None
+                        else self.transport.receive(grad, embeds.device).to(embeds.dtype))
             embeds.backward(grad)
         return mb_id
 
     @torch.no_grad()
-    def forward_eval(self, inputs: dict[str, torch.Tensor]) -> WireTensor:
+    def forward_eval(self, inputs: dict[str, torch.Tensor]) -> WireTensor | torch.Tensor:
         self.model.eval()
         try:
-            return to_wire(self._encode(inputs))
+            return self.transport.send(self._encode(inputs))
         finally:
             self.model.train()

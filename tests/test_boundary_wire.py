@@ -58,3 +58,77 @@ def test_bench_boundary_quick_writes_both_formats(ray_session, tmp_path, capsys)
     assert all("speedup" in r for r in result["rows"] if r["format"] == "wire")
     assert "| 64 x 64 |" in capsys.readouterr().out
     assert ray_session.is_initialized()  # the session's Ray, left running
+
+
+@pytest.mark.parametrize("name", ["host", "cuda_ipc"])
+def test_a_transport_delivers_the_values_in_memory_of_the_receivers_own(name):
+    """`pipeline.boundary`: what `send` hands Ray comes back from `receive` as the same values in a tensor the
+    receiver owns (cuda_ipc's `receive` gets a mapping of the sender's memory on a GPU: it must copy)."""
+    from dhp.stages.boundary import transport_of
+
+    transport = transport_of(name)
+    t = (torch.randn(5, 3, requires_grad=True) * 2).to(torch.bfloat16)
+    sent = transport.send(t)
+    back = transport.receive(sent, "cpu")
+    assert torch.equal(back, t.detach()) and back.dtype == torch.bfloat16 and not back.requires_grad
+    back.add_(1)  # writing into what the receiver got leaves what was sent as it was
+    assert torch.equal(transport.receive(sent, "cpu"), t.detach())
+
+
+def test_cuda_ipc_needs_both_pools_on_one_gpu():
+    """CUDA IPC maps memory only between actors Ray gave the same GPU: the one shared-GPU layout passes, the CPU
+    default and a layout across GPUs are refused before anything starts, saying what would run."""
+    from dhp.stages.config import ConfigError, load_config
+    from dhp.stages.pools import check_layout
+
+    one_gpu = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1", "vision.num_gpus_per_actor=0.5",
+               "text.parallelism=none", "text.num_actors=1", "text.degree=1", "text.num_gpus_per_actor=0.5",
+               "training.global_batch_size=2", "pipeline.boundary=cuda_ipc"]
+    cfg = load_config("tiny", one_gpu)
+    assert cfg.pipeline.transport.ray_transport == "CUDA_IPC"
+    check_layout(cfg)
+    for refused in (["pipeline.boundary=cuda_ipc"],  # the CPU default: 2 + 2 actors, no GPUs
+                    [*one_gpu, "pipeline.placement=disjoint"],
+                    [*one_gpu, "text.num_gpus_per_actor=1"]):
+        with pytest.raises(ConfigError, match=r"pipeline.boundary=cuda_ipc maps GPU memory .* pipeline.boundary=host"):
+            check_layout(load_config("tiny", refused))
+    with pytest.raises(Exception, match="pipeline.boundary"):
+        load_config("tiny", ["pipeline.boundary=nccl"])
+
+
+def test_the_ray_direct_transport_path_trains_as_the_host_path(parity_setup, tmp_path):
+    """`pipeline.boundary=cuda_ipc`'s calls (one return each, the shard gradients as `gradient` calls, RDT
+    references passed actor to actor) with Ray's RDT machinery, on a CPU: only the mover is a stand-in
+    (tests/rdt_on_cpu.py). One global batch under each boundary, one vision + one text actor (a text-only
+    micro-batch included) and SP 2 / TP 2: the same loss, gradients and evaluation loss, and the tensors did
+    take the RDT path. A subprocess: the stand-in is installed in every actor at its start."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.rdt_on_cpu import LAYOUTS
+
+    _, ckpt, samples = parity_setup
+    torch.save(samples, tmp_path / "samples.pt")
+    root = Path(__file__).resolve().parent.parent
+    log = tmp_path / "rdt.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "DHP_TEST_RDT_LOG": str(log)}
+    proc = subprocess.run([sys.executable, "-m", "tests.rdt_on_cpu", str(ckpt), str(tmp_path / "samples.pt"),
+                           str(tmp_path / "out.pt")], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    for name in LAYOUTS:
+        host, rdt = out[f"{name}/host"], out[f"{name}/cuda_ipc"]
+        assert rdt["loss"] == pytest.approx(host["loss"], rel=1e-6)
+        assert rdt["eval"] == pytest.approx(host["eval"], rel=1e-6)
+        assert set(rdt["grads"]) == set(host["grads"])
+        for param, g in host["grads"].items():
+            torch.testing.assert_close(rdt["grads"][param], g, rtol=1e-5, atol=1e-8, msg=f"{name}: {param}")
+    lines = log.read_text().splitlines()
+    sends = [ln for ln in lines if " send " in ln]
+    # 1v1t: 3 micro-batches' shards (the text-only one's has 0 rows) and their 3 gradients, 1 eval shard;
+    # sp2-tp2: 2 micro-batches x 2 SP shards and their 4 gradients, 2 eval shards
+    assert len(sends) == (3 + 3 + 1) + (4 + 4 + 2), lines
+    assert sum(" receive" in ln for ln in lines) >= len(sends)

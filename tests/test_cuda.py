@@ -28,8 +28,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(("dtype", "loss_tol", "grad_cos"), [("float32", 1e-4, 0.9999), ("bfloat16", 3e-2, 0.99)])
-def test_cuda_shared_gpu_matches_cpu_reference(parity_setup, ray_session, dtype, loss_tol, grad_cos):
+@pytest.mark.parametrize(("dtype", "loss_tol", "grad_cos", "boundary"), [
+    ("float32", 1e-4, 0.9999, "host"), ("bfloat16", 3e-2, 0.99, "host"),
+    ("float32", 1e-4, 0.9999, "cuda_ipc"),  # the embeddings and their gradients stay on the GPU (stages/boundary.py)
+])
+def test_cuda_shared_gpu_matches_cpu_reference(parity_setup, ray_session, dtype, loss_tol, grad_cos, boundary):
     ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -37,7 +40,7 @@ def test_cuda_shared_gpu_matches_cpu_reference(parity_setup, ray_session, dtype,
     cfg = load_config("tiny", BASE + [
         f"model.path={ckpt}", f"model.dtype={dtype}", "model.attn_implementation=sdpa",
         "vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5",
-        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
+        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5", f"pipeline.boundary={boundary}",
     ])
     trainer = Trainer(cfg)
     try:

@@ -1,0 +1,143 @@
+"""dhp's Ray Direct Transport boundary (`pipeline.boundary=cuda_ipc`) run on a CPU, for the test that checks it.
+
+CUDA IPC needs a GPU. What dhp adds around it does not: crossing calls with one return value each, the text
+rank's shard gradients as separate `gradient` calls, Ray's RDT references handed actor to actor through the
+driver, the actors built with `enable_tensor_transport`. This module keeps all of that and swaps only the
+mover: `BytesTransport` is a Ray tensor transport (`ray.experimental.TensorTransportManager`) whose metadata
+carries the tensors' values, so Ray's own RDT machinery (its RDT store on the sender, the metadata to the
+owner, the fetch on the receiver, the frees) runs as it does for CUDA IPC. The stand-in to CUDA IPC is what
+gloo is to nccl in the parity tests.
+
+`install()` registers it and points `CudaIpcTransport` at it (and lifts its one-GPU check); it runs in the
+driver and, through Ray's `worker_process_setup_hook`, in every actor. Each send and receive is appended to
+the file named by DHP_TEST_RDT_LOG, so the test can see that the tensors took this path.
+
+`python -m tests.rdt_on_cpu CKPT SAMPLES OUT`: for each layout, one global batch under each boundary (host,
+then the RDT path): the loss, every gradient, and an evaluation loss, saved to OUT with torch.save.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from ray.experimental.rdt.tensor_transport_manager import (
+    CommunicatorMetadata,
+    TensorTransportManager,
+    TensorTransportMetadata,
+)
+
+NAME = "DHP_TEST_BYTES"
+LAYOUTS = {  # overrides, each text replica's micro-batches as sample indices (tests/test_parity.py's)
+    "1v1t": ([], [[0], [1], [2]]),  # sample 2 is text-only: an empty vision call
+    "sp2-tp2": (["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2",
+                 "text.parallelism=tensor", "text.num_actors=2", "text.degree=2"], [[0, 1], [2]]),
+}
+
+
+@dataclass
+class BytesMetadata(TensorTransportMetadata):
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+def _log(what: str) -> None:
+    path = os.environ.get("DHP_TEST_RDT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {what}\n")
+
+
+class BytesTransport(TensorTransportManager):
+    """One-sided, like CUDA IPC: the receiver gets everything from the metadata, the sender does nothing more."""
+
+    @property
+    def tensor_transport_backend(self) -> str:
+        return NAME
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return False
+
+    def actor_has_tensor_transport(self, actor: Any) -> bool:
+        return True
+
+    def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[torch.Tensor]) -> BytesMetadata:
+        _log(f"send {[tuple(t.shape) for t in rdt_object]}")
+        return BytesMetadata(tensor_meta=[(t.shape, t.dtype) for t in rdt_object], tensor_device="cpu",
+                             values=[t.detach().clone() for t in rdt_object])
+
+    def get_communicator_metadata(self, src_actor: Any, dst_actor: Any, backend: str | None = None):
+        return CommunicatorMetadata()
+
+    def recv_multiple_tensors(self, obj_id: str, tensor_transport_metadata: BytesMetadata,
+                              communicator_metadata: Any, target_buffers: Any = None) -> list[torch.Tensor]:
+        _log("receive")
+        return list(tensor_transport_metadata.values)
+
+    def send_multiple_tensors(self, tensors: Any, tensor_transport_metadata: Any, communicator_metadata: Any):
+        raise NotImplementedError("one-sided")
+
+    def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: Any) -> None:
+        pass
+
+    def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
+        raise NotImplementedError
+
+
+def install() -> None:
+    from ray.experimental.rdt.util import register_tensor_transport, transport_manager_info
+
+    from dhp.stages.boundary import CudaIpcTransport
+
+    if NAME not in transport_manager_info:
+        register_tensor_transport(NAME, ["cpu"], BytesTransport, torch.Tensor)
+    CudaIpcTransport.ray_transport = NAME
+    CudaIpcTransport.check = lambda self, cfg: None
+
+
+def main(ckpt: str, samples_path: str, out_path: str) -> None:
+    import ray
+
+    from dhp.dataflow.loader import GlobalBatch
+    from dhp.stages.config import load_config
+    from dhp.stages.trainer import Trainer
+    from tests.test_parity import BASE, _microbatch, collect
+
+    install()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "tests.rdt_on_cpu.install"})
+    samples = torch.load(samples_path, weights_only=False)
+    longest = max(s["input_ids"].shape[0] for s in samples)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name, (overrides, groups) in LAYOUTS.items():
+            for boundary in ("host", "cuda_ipc"):
+                cfg = load_config("tiny", BASE + overrides + [
+                    f"model.path={ckpt}", f"data.microbatch_tokens={longest}", f"data.max_seq_len={longest}",
+                    "vision.num_cpus_per_actor=0.25", "text.num_cpus_per_actor=0.25", f"pipeline.boundary={boundary}",
+                ])
+                trainer = Trainer(cfg)
+                try:
+                    batches = [GlobalBatch([_microbatch([samples[i] for i in g], cfg) for g in groups], epoch=0)]
+                    loss = trainer.accumulate(batches)
+                    ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
+                    mb = batches[0].microbatches[0]
+                    shards = trainer.vision.forward_eval(0, mb.vision)
+                    evaluated = ray.get(trainer.text.forward_eval(0, mb.text, shards))
+                    out[f"{name}/{boundary}"] = {"loss": loss, "eval": evaluated, "grads": collect(trainer, grads=True)}
+                finally:
+                    trainer.shutdown()
+    finally:
+        ray.shutdown()
+    torch.save(out, out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
