@@ -165,12 +165,23 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
         boundary = boundary_seconds(e for e in trainer.traced_events() if e["step"] > 1)  # the warm-up is step 1
     finally:
         trainer.shutdown()
-    if cfg.vision.num_gpus_per_actor:
-        _wait_for_free_device()
+        if cfg.vision.num_gpus_per_actor:  # also after a failed run: the next system needs the device back
+            _wait_for_free_device()
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
             "peak_reserved_bytes": reserved,
             "calls_s": calls, "peak_flops": peak.flops, "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
             "boundary_s_per_microbatch": boundary, "batches": batches}
+
+
+def _boundaries(text: str) -> tuple[str, ...]:
+    """`--boundaries host,cuda_ipc` -> the names, each a `pipeline.boundary` (a typo is an argument error)."""
+    from dhp.stages.boundary import TRANSPORTS
+
+    names = tuple(text.split(","))
+    unknown = [n for n in names if n not in TRANSPORTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{','.join(unknown)}: pipeline.boundary is one of {', '.join(TRANSPORTS)}")
+    return names
 
 
 def _system(boundary: str) -> str:
@@ -315,7 +326,8 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                             if boundary == boundaries[0]:
                                 raise
                             error = f"{type(e).__name__}: {e}"[:2000]
-                            head.setdefault("failed_boundaries", {})[boundary] = error
+                            head.setdefault("failed_boundaries", []).append(
+                                {"boundary": boundary, "side": side, "patches": patches(side), "error": error})
                             print(f"side {side}, pipeline.boundary={boundary}: {error}", flush=True)
                     alone = run_one_process(cfg, mc, sample, microbatches, steps, profile_steps)
                 except Exception as e:  # an OOM at the largest image is a finding: keep it and the sides before
@@ -374,8 +386,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"\nprofiled {r['patches']} patches, {r['system']}: device busy "
                          f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s; "
                          f"most device time: {top or 'none (no device)'}")
-    for boundary, error in result.get("failed_boundaries", {}).items():
-        lines.append(f"\npipeline.boundary={boundary} failed: {error[:300]}")
+    for f in result.get("failed_boundaries", []):
+        lines.append(f"\npipeline.boundary={f['boundary']} failed at {f['patches']} patches: {f['error'][:300]}")
     if "failed" in result:
         lines.append(f"\nfailed at {result['failed']['patches']} patches: {result['failed']['error'][:300]}")
     return "\n".join(lines)
@@ -390,7 +402,7 @@ def main(args: argparse.Namespace) -> int:
         print(table(partial), flush=True)
 
     result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision, finished_side,
-                 args.profile, tuple(args.boundaries.split(",")))
+                 args.profile, args.boundaries)
     if args.json:
         write_json(args.json, result)
     if not result["complete"]:
@@ -411,7 +423,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after the measured steps, run this many more of the one-process loop under torch.profiler "
                         "and keep the device's busy share and the top operators in the JSON (default 0: none)")
-    p.add_argument("--boundaries", default="host",
+    p.add_argument("--boundaries", default=("host",), type=_boundaries,
                    help="pipeline.boundary values to run dhp with, comma-separated, one row each (default host; "
                         "host,cuda_ipc on a GPU compares Ray's object store with CUDA IPC)")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16"],

@@ -138,13 +138,14 @@ class CudaIpcTransport(Transport):
         return x.to(device, copy=True)
 
     def check(self, cfg: Any) -> str | None:
-        pools = (cfg.vision, cfg.text)
-        if all(0 < s.num_gpus_per_actor < 1 for s in pools) and cfg.pipeline.shared and \
+        gpus = (cfg.vision.num_gpus_per_actor, cfg.text.num_gpus_per_actor)
+        if all(g > 0 for g in gpus) and sum(gpus) <= 1 and cfg.pipeline.shared and \
                 cfg.vision.num_actors == cfg.text.num_actors == 1:
             return None
         return ("pipeline.boundary=cuda_ipc maps GPU memory between actors Ray gave the same GPU, so both pools "
                 "must share one GPU: pipeline.placement=shared, vision.num_actors=text.num_actors=1, and "
-                "vision.num_gpus_per_actor and text.num_gpus_per_actor between 0 and 1 (e.g. 0.5 each); got "
+                "vision.num_gpus_per_actor and text.num_gpus_per_actor above 0 and together at most 1 (e.g. 0.5 "
+                "each); got "
                 f"placement {cfg.pipeline.placement}, {cfg.vision.num_actors} vision and {cfg.text.num_actors} "
                 f"text actors with {cfg.vision.num_gpus_per_actor:g} and {cfg.text.num_gpus_per_actor:g} GPUs "
                 "each. Use pipeline.boundary=host otherwise")

@@ -127,6 +127,7 @@ class TextWorker(StageWorker):
         with self.moving():
             return (float(loss.detach()), *[self.transport.send(g) for g in shard_gradients(received)])
 
+    @recorded("gradient")
     def gradient(self, mb_id: int, j: int) -> torch.Tensor:
         """d loss / d shard j of micro-batch `mb_id`, kept by its `forward_backward` (Ray Direct Transport
         boundary: the pool asks once per shard, right after that call)."""

@@ -109,7 +109,8 @@ def busy_fractions(events: Iterable[StageEvent | dict[str, Any]], start: float, 
     return {"vision_busy": busy["vision"], "text_busy": busy["text"], "bubble": 1.0 - max(busy.values())}
 
 
-BOUNDARY_CALLS = {("vision", "forward"), ("text", "forward_backward"), ("vision", "backward")}  # what crosses
+# what crosses; `gradient`: the text rank's shard gradients under a Ray Direct Transport boundary (boundary.py)
+BOUNDARY_CALLS = {("vision", "forward"), ("text", "forward_backward"), ("text", "gradient"), ("vision", "backward")}
 
 
 ROUNDING_S = 1e-5  # microsecond floats of epoch seconds: comparisons allow for their rounding, nothing more

@@ -111,7 +111,7 @@ def main(ckpt: str, samples_path: str, out_path: str) -> None:
     from tests.test_parity import BASE, _microbatch, collect
 
     install()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # its own, not the session's
              runtime_env={"worker_process_setup_hook": "tests.rdt_on_cpu.install"})
     samples = torch.load(samples_path, weights_only=False)
     longest = max(s["input_ids"].shape[0] for s in samples)

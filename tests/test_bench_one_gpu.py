@@ -14,12 +14,14 @@ from dhp.scripts.bench_one_gpu import main, profile_summary
 def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_path, capsys):
     path = tmp_path / "one_gpu.json"
     args = argparse.Namespace(json=str(path), quick=True, model=None, sides=None, steps=None, microbatches=2,
-                              precision=None, profile=1, boundaries="host,cuda_ipc")
+                              precision=None, profile=1, boundaries=("host", "cuda_ipc"))
     assert main(args) == 0
     result = json.loads(path.read_text())
     assert result["complete"] and "failed" not in result
     # CUDA IPC needs both pools on one GPU: refused up front on a CPU, recorded, and the host rows kept
-    assert "pipeline.boundary=cuda_ipc maps GPU memory" in result["failed_boundaries"]["cuda_ipc"]
+    (failed,) = result["failed_boundaries"]
+    assert (failed["boundary"], failed["patches"]) == ("cuda_ipc", 64)
+    assert "pipeline.boundary=cuda_ipc maps GPU memory" in failed["error"]
     assert result["timings"].startswith("CPU timings") and result["model"] == "tiny"
     assert result["precision"] == "fp32" and result["device_gib"] is None  # no device: the preset's
     dhp, alone = result["rows"]
@@ -48,7 +50,7 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
     assert all(o["host_s"] >= 0 for o in prof["top_host"])
     out = capsys.readouterr().out
     assert "| 64 | dhp |" in out and "profiled 64 patches, one process: device busy 0%" in out
-    assert "pipeline.boundary=cuda_ipc failed: ConfigError" in out
+    assert "pipeline.boundary=cuda_ipc failed at 64 patches: ConfigError" in out
     assert ray_session.is_initialized()  # the session's Ray, left running
 
 
@@ -89,7 +91,7 @@ def test_a_side_that_fails_is_recorded_and_the_sides_before_it_kept(ray_session,
     monkeypatch.setattr(bench_one_gpu, "run_dhp", out_of_memory_at_the_second)
     path = tmp_path / "one_gpu.json"
     args = argparse.Namespace(json=str(path), quick=True, model=None, sides="140,112", steps=1, microbatches=2,
-                              precision=None, profile=0, boundaries="host")
+                              precision=None, profile=0, boundaries=("host",))
     assert main(args) == 1
     result = json.loads(path.read_text())
     assert not result["complete"] and [(r["side"], r["system"]) for r in result["rows"]] == [
@@ -146,3 +148,11 @@ def test_profile_summary_counts_the_chip_busy_once_and_skips_markers():
     assert [o["op"] for o in s["top_device"]] == ["gemm", "attn", "Memcpy HtoD"]
     assert s["top_host"] == [{"op": "aten::mm", "calls": 2, "host_s": pytest.approx(4e-6)},
                              {"op": "aten::add", "calls": 1, "host_s": pytest.approx(9e-6)}]
+
+
+def test_boundaries_are_checked_when_parsed():
+    from dhp.scripts.bench_one_gpu import _boundaries
+
+    assert _boundaries("host,cuda_ipc") == ("host", "cuda_ipc")
+    with pytest.raises(argparse.ArgumentTypeError, match="nccl: pipeline.boundary is one of host, cuda_ipc"):
+        _boundaries("host,nccl")

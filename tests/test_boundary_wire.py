@@ -89,7 +89,8 @@ def test_cuda_ipc_needs_both_pools_on_one_gpu():
     check_layout(cfg)
     for refused in (["pipeline.boundary=cuda_ipc"],  # the CPU default: 2 + 2 actors, no GPUs
                     [*one_gpu, "pipeline.placement=disjoint"],
-                    [*one_gpu, "text.num_gpus_per_actor=1"]):
+                    [*one_gpu, "vision.num_actors=2"],  # two vision replicas: the second on another bundle's GPU
+                    [*one_gpu, "text.num_gpus_per_actor=0.6"]):  # 1.1 GPUs: not one device
         with pytest.raises(ConfigError, match=r"pipeline.boundary=cuda_ipc maps GPU memory .* pipeline.boundary=host"):
             check_layout(load_config("tiny", refused))
     with pytest.raises(Exception, match="pipeline.boundary"):
@@ -131,4 +132,6 @@ def test_the_ray_direct_transport_path_trains_as_the_host_path(parity_setup, tmp
     # 1v1t: 3 micro-batches' shards (the text-only one's has 0 rows) and their 3 gradients, 1 eval shard;
     # sp2-tp2: 2 micro-batches x 2 SP shards and their 4 gradients, 2 eval shards
     assert len(sends) == (3 + 3 + 1) + (4 + 4 + 2), lines
-    assert sum(" receive" in ln for ln in lines) >= len(sends)
+    # each shard by every text rank of its replica, each gradient by its vision rank: 1v1t 3 + 3 + 1,
+    # sp2-tp2 4 x 2 + 4 + 2 x 2
+    assert sum(ln.endswith(" receive") for ln in lines) == (3 + 3 + 1) + (8 + 4 + 4), lines
