@@ -185,8 +185,10 @@ def _boundaries(text: str) -> tuple[str, ...]:
 
 
 def _system(boundary: str) -> str:
-    """A dhp row's name: plain "dhp" for the default boundary (the name earlier JSON files use)."""
-    return "dhp" if boundary == "host" else f"dhp {boundary}"
+    """A dhp row's name: plain "dhp" through Ray's object store (the name earlier JSON files use)."""
+    from dhp.stages.boundary import transport_of
+
+    return f"dhp {boundary}" if transport_of(boundary).direct else "dhp"
 
 
 def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,

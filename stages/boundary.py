@@ -102,6 +102,12 @@ class Transport:
     name: ClassVar[str] = ""
     ray_transport: ClassVar[str | None] = None  # Ray's `tensor_transport` for the crossing calls; None: object store
 
+    @property
+    def direct(self) -> bool:
+        """Through Ray Direct Transport: the actors are built with `enable_tensor_transport`, and a crossing
+        call returns one value (the text rank's shard gradients then go by `gradient` calls)."""
+        return self.ray_transport is not None
+
     def send(self, t: torch.Tensor) -> Any:
         """What a crossing call returns for tensor `t` (the sender must not change `t` afterwards)."""
         raise NotImplementedError

@@ -124,11 +124,9 @@ class StagePool(ActorGroup):
     def optimizer_step(self, clip_coef: float) -> list[ray.ObjectRef]:
         return self.execute_all_async("optimizer_step", clip_coef)
 
-
     def _crossing(self, method: Any) -> Any:
         """An actor method whose return value crosses to the other pool, under the boundary's Ray transport."""
-        ray_transport = self.transport.ray_transport
-        return method.options(tensor_transport=ray_transport) if ray_transport else method
+        return method.options(tensor_transport=self.transport.ray_transport) if self.transport.direct else method
 
 
 class VisionPool(StagePool):
@@ -170,7 +168,7 @@ class TextPool(StagePool):
             return None, []
         first, *others = self.replica(replica)
         send = bool(shards) and want_grads
-        separate = send and self.transport.ray_transport is not None  # one return per Ray Direct Transport call
+        separate = send and self.transport.direct  # one return per Ray Direct Transport call
         out = first.forward_backward.options(num_returns=1 + len(shards) * (send and not separate)).remote(
             mb_id, inputs, loss_scale, *shards, send_grads=send)
         out = out if send and not separate else [out]  # one return is a bare reference

@@ -121,7 +121,7 @@ class TextWorker(StageWorker):
         loss.backward()
         if not send_grads:
             return float(loss.detach())
-        if self.transport.ray_transport is not None:
+        if self.transport.direct:
             self.outgoing[mb_id] = dict(enumerate(shard_gradients(received)))
             return float(loss.detach())
         with self.moving():

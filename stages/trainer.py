@@ -129,15 +129,15 @@ class Trainer:
         self._eval_batches: list[GlobalBatch] | None = None
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):
-        s = getattr(self.cfg, stage)
+        s, transport = getattr(self.cfg, stage), self.cfg.pipeline.transport
         pool = pool_cls(
             stage, worker_cls, s.num_actors, init_args=(self.cfg, self.model_config),
             num_cpus=s.num_cpus_per_actor, num_gpus=s.num_gpus_per_actor, torch_threads=s.torch_threads,
             degree=s.degree, placement=getattr(self.placement, stage), ledger=self.ledger,
-            tensor_transport=self.cfg.pipeline.transport.ray_transport is not None,
+            tensor_transport=transport.direct,
         )
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
-        pool.transport = self.cfg.pipeline.transport
+        pool.transport = transport
         pool.trains = self.fine_tuning.trains(stage)
         return pool
 

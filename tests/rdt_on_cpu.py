@@ -30,11 +30,12 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
+from tests.test_parity import SP2, TP2
+
 NAME = "DHP_TEST_BYTES"
 LAYOUTS = {  # overrides, each text replica's micro-batches as sample indices (tests/test_parity.py's)
     "1v1t": ([], [[0], [1], [2]]),  # sample 2 is text-only: an empty vision call
-    "sp2-tp2": (["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2",
-                 "text.parallelism=tensor", "text.num_actors=2", "text.degree=2"], [[0, 1], [2]]),
+    "sp2-tp2": (SP2 + TP2, [[0, 1], [2]]),
 }
 
 
