@@ -27,7 +27,7 @@ from dhp.models.hf_writer import DEFAULT_MAX_SHARD_SIZE, Entry, SafetensorsReade
 from dhp.models.layouts import make_layout
 from dhp.models.lora import is_lora_factor
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.tensor_parallel import part_blocks
+from dhp.models.tensor_parts import part_blocks
 from dhp.models.weights import checkpoint_index
 
 META = "dhp_checkpoint.json"

@@ -81,7 +81,7 @@ def _seed(seed: int, name: str, idx: Any) -> int:
 
 def _part(episode: list[Write], idx: Any, seed: int, device: torch.device) -> torch.Tensor:
     """The writes of one tensor performed on the part `idx` of it (None: the whole), on `device`."""
-    from dhp.models.tensor_parallel import read_part
+    from dhp.models.tensor_parts import read_part
 
     first = episode[0]
     if first.op is None:  # created with real values (ones, zeros): their part

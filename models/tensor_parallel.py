@@ -42,7 +42,8 @@ boundary ordinary. Parity is exact up to fp32 summation order (see tests/test_te
 
 Checkpoints: `tp_slice(name, rank, tp, config)` gives the index of rank r's slice of a full tensor
 (`safe_open(...).get_slice(name)[idx]` reads only that), `shard_state_dict_for_rank` applies it to a
-full state dict and `gather_full_state_dict` reassembles full tensors from every rank's local dict.
+full state dict and `gather_full_state_dict` reassembles full tensors from every rank's local dict
+(models/tensor_parts.py does the indexing).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from __future__ import annotations
 import functools
 import re
 import types
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ from torch.nn import functional as F
 
 from dhp.models.layout import Layout, PoolRanks
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
+from dhp.models.tensor_parts import gather_sliced, shard_sliced
 
 _COLUMN = re.compile(r"\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
@@ -218,54 +219,6 @@ def tp_slice(name: str, rank: int, tp: int, config) -> tuple[slice, ...] | None:
     return None
 
 
-def read_part(source, idx) -> torch.Tensor:
-    """`source[idx]` for a tensor or a safetensors slice; a list index (several row blocks, e.g. a fused
-    qkv) reads its parts and concatenates them."""
-    return torch.cat([source[i] for i in idx]) if isinstance(idx, list) else source[idx]
-
-
-def shard_sliced(full_state: dict[str, torch.Tensor], slicer) -> dict[str, torch.Tensor]:
-    """Local state dict from a full one; `slicer(name)` -> index of this rank's part or None (replicated)."""
-    out = {}
-    for name, tensor in full_state.items():
-        idx = slicer(name)
-        out[name] = tensor if idx is None else read_part(tensor, idx).clone()
-    return out
-
-
-def part_blocks(target: torch.Tensor, idx) -> Iterator[tuple[torch.Tensor, int]]:
-    """(view of `target` at one block of `idx`, the part's first row in it) for each block: a list index's
-    blocks are the part's rows one after another (as `read_part` concatenates them); any other, one block."""
-    row = 0
-    for block in idx if isinstance(idx, list) else [idx]:
-        view = target[block]
-        yield view, row
-        row += view.shape[0]
-
-
-def write_part(target: torch.Tensor, idx, part: torch.Tensor) -> None:
-    """Inverse of `read_part`: `target[idx] = part`, block by block."""
-    for view, row in part_blocks(target, idx):
-        view.copy_(part[row : row + view.shape[0]])
-
-
-def gather_sliced(shards: list[dict[str, torch.Tensor]], slicer) -> dict[str, torch.Tensor]:
-    """Inverse of `shard_sliced` over all ranks: `slicer(name, rank)` as there, `shards` in rank order."""
-    out = {}
-    for name, first in shards[0].items():
-        idxs = [slicer(name, rank) for rank in range(len(shards))]
-        if idxs[0] is None:
-            out[name] = first.clone()
-            continue
-        parts = [idx if isinstance(idx, list) else [idx] for idx in idxs]
-        shape = [n if parts[0][0][d] == slice(None) else max(p[d].stop for ps in parts for p in ps)
-                 for d, n in enumerate(first.shape)]
-        out[name] = first.new_empty(shape)
-        for shard, idx in zip(shards, idxs):  # a replicated KV head is written once per holder
-            write_part(out[name], idx, shard[name])
-    return out
-
-
 def shard_state_dict_for_rank(
     full_state: dict[str, torch.Tensor], rank: int, tp: int, config
 ) -> dict[str, torch.Tensor]:
@@ -278,7 +231,8 @@ def gather_full_state_dict(shards: list[dict[str, torch.Tensor]], config) -> dic
     return gather_sliced(shards, lambda name, rank: tp_slice(name, rank, len(shards), config))
 
 
-def _copy_hook(group, module, args, kwargs):
+def copy_hook(group, module, args, kwargs):
+    """Forward pre-hook (with kwargs): `copy_to_region` on a module's input (positional or `hidden_states=`)."""
     if args:
         return (_CopyToRegion.apply(args[0], group), *args[1:]), kwargs
     kwargs["hidden_states"] = _CopyToRegion.apply(kwargs["hidden_states"], group)
@@ -352,7 +306,7 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
 
-    copy = functools.partial(_copy_hook, group)
+    copy = functools.partial(copy_hook, group)
     reduce = functools.partial(_reduce_hook, group)
     for layer in lm.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -55,14 +55,8 @@ from torch.nn import functional as F
 
 from dhp.models.layout import PoolRanks, VitShape
 from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.tensor_parallel import (
-    TensorParallel,
-    copy_to_region,
-    gather_sliced,
-    read_part,
-    reduce_from_region,
-    shard_sliced,
-)
+from dhp.models.tensor_parallel import TensorParallel, copy_hook, reduce_from_region
+from dhp.models.tensor_parts import gather_sliced, read_part, shard_sliced
 
 Index = tuple[slice, ...] | list[tuple[slice, ...]]
 
@@ -131,13 +125,6 @@ def gather_full_vision_state_dict(shards: list[dict[str, torch.Tensor]], vision_
     return gather_sliced(shards, lambda name, rank: vision_tp_slice(name, rank, len(shards), vision_config))
 
 
-def _copy_hook(group, module, args, kwargs):
-    if args:
-        return (copy_to_region(args[0], group), *args[1:]), kwargs
-    kwargs["hidden_states"] = copy_to_region(kwargs["hidden_states"], group)
-    return args, kwargs
-
-
 def _row_parallel_forward(self: nn.Linear, group, x: torch.Tensor) -> torch.Tensor:
     # The bias joins after the reduce: added before it, it would be summed tp times. `.to`: under autocast
     # F.linear's output is bf16 and the reference's addmm adds a bf16 bias, so the stream keeps its dtype.
@@ -167,7 +154,7 @@ def apply_vision_tensor_parallel(model: VisionModel, group: dist.ProcessGroup) -
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
 
-    copy = functools.partial(_copy_hook, group)
+    copy = functools.partial(copy_hook, group)
     row_parallel = [visual.merger.mlp[2]]
     for block in visual.blocks:
         block.attn.num_heads = c.num_heads // tp  # head_dim and scaling stay those of the full model

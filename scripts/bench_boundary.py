@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any
 
-from dhp.scripts.results import write_json
+from dhp.scripts.results import report
 
 ROWS = (256, 1024, 4096)
 DIM = 3584  # the 7B's text hidden size
@@ -108,10 +108,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     result = run((16, 64), 64, reps=3) if args.quick else run(reps=args.reps)
-    if args.json:
-        write_json(args.json, result)
-    print(table(result))
-    return 0
+    return report(args.json, result, table)
 
 
 def add_parser(sub: Any) -> None:

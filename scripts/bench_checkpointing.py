@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from dhp.scripts.results import write_json
+from dhp.scripts.results import report
 
 MODES = ("none", "every_n", "full")
 STATE = ("PARAM", "BUFFER", "GRAD")  # MemTracker's categories of model state; the rest is activations / temps
@@ -114,10 +114,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     rows = run(args.quick, args.repeats or (1 if args.quick else 3))
-    if args.json:
-        write_json(args.json, rows)
-    print(table(rows))
-    return 0
+    return report(args.json, rows, table)
 
 
 def add_parser(sub: Any) -> None:

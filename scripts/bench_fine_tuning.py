@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dhp.scripts.results import write_json
+from dhp.scripts.results import report
 
 MODES = {"all": [], "frozen ViT": ["vision.train=none"], "merger only": ["vision.train=merger"],
          "frozen LLM": ["text.train=none"], "LoRA r16": ["text.train=lora", "text.lora.rank=16"],
@@ -112,10 +112,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     result = run(args.quick)
-    if args.json:
-        write_json(args.json, result)
-    print(table(result))
-    return 0
+    return report(args.json, result, table)
 
 
 def add_parser(sub: Any) -> None:

@@ -77,7 +77,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dhp.scripts.results import write_json
+from dhp.scripts.results import report
 
 MiB = 2**20
 GB = 1e9
@@ -567,10 +567,7 @@ def main(args: argparse.Namespace) -> int:
     if target is not None:
         _check_target(target)
     profile = measure(args.quick)
-    if target is not None:
-        write_json(target, profile)
-    print(table(profile))
-    return 0
+    return report(target, profile, table)
 
 
 def add_parser(sub: Any) -> None:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dhp.scripts.results import write_json
+from dhp.scripts.results import report
 
 IMAGE = (896, 448)  # pixels: 64 x 32 patches of 14
 BASE = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
@@ -190,10 +190,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     result = run(args.profile, args.quick)
-    if args.json:
-        write_json(args.json, result)
-    print(table(result))
-    return 0
+    return report(args.json, result, table)
 
 
 def add_parser(sub: Any) -> None:

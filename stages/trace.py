@@ -16,8 +16,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -177,6 +178,37 @@ def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_even
             missing += 1
         out.append(asdict(e))
     return out, missing
+
+
+def with_ray_transfers(events: list[dict[str, Any]], read_timeline: Callable[[], list[dict[str, Any]]],
+                       wait_s: float = 5.0) -> list[dict[str, Any]]:
+    """`events` (every stage call so far) with Ray's argument and return transfers attached
+    (`attach_ray_transfers`). `read_timeline` is `ray.timeline`. Workers report to Ray about once a second: this
+    waits up to `wait_s` for the latest step's calls. Ray keeps a bounded number of task events
+    (RAY_task_events_max_num_task_in_gcs, 100 000 by default): calls older than that keep transfers of 0."""
+    state_log = logging.getLogger("ray._private.state")
+    level, deadline = state_log.level, time.monotonic() + wait_s
+    state_log.setLevel(logging.ERROR)  # its notice that ray.timeline() will read from the dashboard later on
+    try:
+        latest = max((e["step"] for e in events), default=0)
+        while True:
+            try:
+                timeline = read_timeline()
+            except Exception as e:  # (Ray Client, the GCS unreachable): dhp's own timings stay, and the run
+                print(f"warning: Ray's timeline could not be read ({type(e).__name__}: {e}); the trace's "
+                      "receive/send read 0", flush=True)
+                return attach_ray_transfers(events, [])[0]
+            # only the latest step's calls can still arrive: older unmatched ones are gone for good
+            attached, late = attach_ray_transfers(events, timeline, missing_of_step=latest)
+            if not late:
+                return attached
+            if time.monotonic() > deadline:
+                print(f"warning: {late} of the latest step's calls found no Ray task in Ray's timeline within "
+                      f"{wait_s:g} s: their receive/send read 0", flush=True)
+                return attached
+            time.sleep(0.25)
+    finally:
+        state_log.setLevel(level)
 
 
 def boundary_seconds(events: Iterable[StageEvent | dict[str, Any]]) -> dict[str, float]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import shutil
 import time
@@ -24,19 +23,20 @@ from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
-from dhp.models.export import export_hf, read_meta, write_meta
+from dhp.models.export import export_hf, write_meta
 from dhp.models.fine_tuning import FineTuning
 from dhp.models.layouts import stage_layout
 from dhp.stages.actor_group import CallLedger
 from dhp.stages.checkpoint_files import commit, staging_dir
-from dhp.stages.config import Config, ConfigError, save_config
+from dhp.stages.config import Config, save_config
 from dhp.stages.placement import LOADER_CPUS, check_resources, describe, place_pools
 from dhp.stages.pools import TextPool, VisionPool, check_layout, replicas
+from dhp.stages.resume_checks import check_positions, check_resumable
 from dhp.stages.routing import route
 from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
 from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
-from dhp.stages.trace import STEP_TAIL, attach_ray_transfers, busy_fractions, write_chrome_trace
+from dhp.stages.trace import STEP_TAIL, busy_fractions, with_ray_transfers, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
 from dhp.stages.watchdog import StepClock, StepHung, wait_for_data, wait_or_hang
 
@@ -259,33 +259,8 @@ class Trainer:
         return {k: round(v, 4) for k, v in busy_fractions(compute, wall_start, end).items()}
 
     def traced_events(self, wait_s: float = 5.0) -> list[dict]:
-        """Every stage call so far (`pipeline.trace`) with Ray's argument and return transfers attached
-        (trace.attach_ray_transfers). Workers report those to Ray about once a second: this waits up to
-        `wait_s` for the latest. Ray keeps a bounded number of task events (RAY_task_events_max_num_task_in_gcs,
-        100 000 by default): calls older than that keep transfers of 0."""
-        state_log = logging.getLogger("ray._private.state")
-        level, deadline = state_log.level, time.monotonic() + wait_s
-        state_log.setLevel(logging.ERROR)  # its notice that ray.timeline() will read from the dashboard later on
-        try:
-            latest = max((e["step"] for e in self.events), default=0)
-            while True:
-                try:
-                    timeline = ray.timeline()
-                except Exception as e:  # (Ray Client, the GCS unreachable): dhp's own timings stay, and the run
-                    print(f"warning: Ray's timeline could not be read ({type(e).__name__}: {e}); the trace's "
-                          "receive/send read 0", flush=True)
-                    return attach_ray_transfers(self.events, [])[0]
-                # only the latest step's calls can still arrive: older unmatched ones are gone for good
-                events, late = attach_ray_transfers(self.events, timeline, missing_of_step=latest)
-                if not late:
-                    return events
-                if time.monotonic() > deadline:
-                    print(f"warning: {late} of the latest step's calls found no Ray task in Ray's timeline within "
-                          f"{wait_s:g} s: their receive/send read 0", flush=True)
-                    return events
-                time.sleep(0.25)
-        finally:
-            state_log.setLevel(level)
+        """Every stage call so far (`pipeline.trace`) with Ray's transfers attached (trace.with_ray_transfers)."""
+        return with_ray_transfers(self.events, ray.timeline, wait_s)
 
     def write_trace(self, path: Path) -> None:
         write_chrome_trace(self.traced_events(), path)
@@ -384,36 +359,15 @@ class Trainer:
         load: each rank reads from the writers' files only the parts of its own weights and AdamW moments
         (StageWorker.load_state, models/reshard.py), and the data position is carried over to this run's
         number of streams (`positions.reshard`)."""
-        problem = self._model_mismatch(ckpt, self.model_config)
-        if problem:
-            raise ConfigError(f"checkpoint {ckpt} is of another model ({problem}): it can only be resumed by a run "
-                              f"of the model that wrote it")
-        meta = read_meta(ckpt)
+        meta = check_resumable(ckpt, self.model_config, self._base(), self._partial_stages())
         saved, now = meta["layout"], self.layout()
-        base, here = meta.get("base"), self._base()
-        if base and not _same_base(base, here):
-            raise ConfigError(
-                f"checkpoint {ckpt} holds only the trained tensors of {', '.join(meta['partial'])}; the rest is its "
-                f"base (model.path={base['path']}, model.init_seed={base['init_seed']}, model.random_init="
-                f"{base.get('random_init', 'exact')}), but this run's base is model.path={here['path']}, "
-                f"model.init_seed={here['init_seed']}, model.random_init={here['random_init']}: resume with the "
-                f"same base")
-        if set(meta.get("partial", [])) != set(self._partial_stages()):
-            raise ConfigError(f"checkpoint {ckpt} was written with other frozen modules (partial stages "
-                              f"{meta.get('partial', [])}): resume with the same vision.train / text.train")
-        if not any(ckpt.glob("*-moments.safetensors")):
-            raise ConfigError(
-                f"checkpoint {ckpt} was written by an older dhp (its AdamW state is not stored by parameter name, "
-                f"no *-moments.safetensors): export its weights (dhp export-hf --checkpoint {ckpt} --out DIR) and "
-                f"start a new run from model.path=DIR"
-            )
         if saved != now:
             what = "{parallelism} degree {degree} x {num_actors} actors".format
             print("resume: resharding " + ", ".join(f"{stage} {what(**saved[stage])} -> {what(**now[stage])}"
                                                     for stage in now if saved[stage] != now[stage]), flush=True)
         state = json.loads((ckpt / "trainer_state.json").read_text())
         if self.loaders:
-            self._check_positions(ckpt, state["loaders"], self.train_files)
+            check_positions(ckpt, state["loaders"], self.train_files)
         positions = reshard(state["loaders"], len(self.loaders))
         ray.get([loader.restore.remote(s) for loader, s in zip(self.loaders, positions)])
         # Reading is like a checkpoint write (its time grows with the model): the same deadline, so a rank that
@@ -424,36 +378,6 @@ class Trainer:
         self.clock.stop()
         self.step = state["step"]
         return self.step
-
-    @staticmethod
-    def _check_positions(ckpt: Path, states: list[dict[str, Any]], files: tuple[int, str]) -> None:
-        """A clear stop for data positions this run cannot continue, before any stream is touched. `files`: the
-        number of this run's training files and their `positions.files_key` (names, order, format)."""
-        if any("files" not in s for s in states):
-            raise ConfigError(
-                f"checkpoint {ckpt} stores its data position in an older form (a record count, before positions by "
-                f"file): export its weights (dhp export-hf --checkpoint {ckpt} --out DIR) and start a new run from "
-                f"model.path=DIR")
-        if any(s["files"] != files[1] for s in states):
-            raise ConfigError(
-                f"checkpoint {ckpt}'s data streams read {states[0]['parts']} files, not the {files[0]} of this "
-                f"run's data.train (file names, their order and format must be the same): resume with the same "
-                f"data.train")
-
-    @staticmethod
-    def _model_mismatch(ckpt: Path, model_config: Qwen2_5_VLConfig) -> str | None:
-        """Which shapes of the checkpoint's model (its config.json) differ from this run's; None if none.
-        The layout may differ (resharded on load), the model may not."""
-        saved = Qwen2_5_VLConfig.from_pretrained(ckpt)
-        shape_keys = {  # what decides the shape of some tensor: another value is another model
-            "vision_config": ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size",
-                              "in_channels", "patch_size", "spatial_merge_size", "temporal_patch_size"),
-            "text_config": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings"),
-        }
-        values = [(f"{sub}.{key}", *(getattr(getattr(c, sub), key, None) for c in (saved, model_config)))
-                  for sub, keys in shape_keys.items() for key in keys]
-        return ", ".join(f"{key} {a} vs {b}" for key, a, b in values if a != b) or None
 
     def skip_report(self) -> dict[str, Any]:
         reports = ray.get([loader.skip_report.remote() for loader in self.loaders])
@@ -478,10 +402,3 @@ class Trainer:
         if self.placement is not None:
             self.placement.remove()
 
-
-def _same_base(saved: dict[str, Any], here: dict[str, Any]) -> bool:
-    """Whether this run builds the base a partial checkpoint was trained on (`Trainer._base` of each)."""
-    if not saved["path"]:  # a seeded init (checkpoints from before model.random_init were exact)
-        seeded = (saved["init_seed"], saved.get("random_init", "exact"))
-        return not here["path"] and seeded == (here["init_seed"], here["random_init"])
-    return bool(here["path"]) and Path(saved["path"]).resolve() == Path(here["path"]).resolve()

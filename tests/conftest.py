@@ -22,8 +22,9 @@ def ray_session():
     """A local Ray shared by the tests that need one; always shut down."""
     import ray
 
-    # Logical CPUs: the parity layouts place up to 10 small actors on this 2-core machine.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: the parity layouts place up to 10 small actors on this 2-core machine. address="local": always
+    # a new Ray of its own, never a `ray start` head another run on this machine left as the latest cluster.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

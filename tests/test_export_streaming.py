@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from dhp.models.export import HF_NAME, export_hf, write_meta
 from dhp.models.hf_writer import CHUNK_BYTES, Entry, parse_size, plan_shards, write_shards
 from dhp.models.layouts import make_layout
-from dhp.models.tensor_parallel import read_part
+from dhp.models.tensor_parts import read_part
 from dhp.models.weights import INDEX_FILE
 from dhp.stages.config import ConfigError, load_config
 from tests.test_layouts import CASES, full_states  # noqa: F401  (fixture)

@@ -13,7 +13,7 @@ import torch
 from dhp.models.architectures import architecture_config
 from dhp.models.layouts import LAYOUTS, available, layout_class, make_layout
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.tensor_parallel import read_part
+from dhp.models.tensor_parts import read_part
 from dhp.stages.config import StageConfig
 
 ROOT = Path(__file__).resolve().parents[1]

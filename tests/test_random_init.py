@@ -13,7 +13,7 @@ from dhp.models.layouts import make_layout
 from dhp.models.materialize import build_on_meta
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.random_init import PerPart, random_init
-from dhp.models.tensor_parallel import read_part
+from dhp.models.tensor_parts import read_part
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
 from tests.test_layouts import CASES
@@ -124,14 +124,14 @@ def test_per_part_pools_train_one_model(parity_setup, ray_session):
 def test_a_partial_checkpoint_resumes_only_onto_the_init_it_was_trained_on():
     """A frozen base from a seeded init is rebuilt at resume, so its mode is part of the base; checkpoints written
     before `model.random_init` existed were exact."""
-    from dhp.stages.trainer import _same_base
+    from dhp.stages.resume_checks import same_base
 
     exact = {"path": None, "init_seed": 0, "random_init": "exact"}
-    assert _same_base({"path": None, "init_seed": 0}, exact)
-    assert _same_base(exact, exact)
-    assert not _same_base(exact, {**exact, "random_init": "per_part"})
-    assert not _same_base({**exact, "random_init": "per_part"}, {**exact, "init_seed": 1, "random_init": "per_part"})
-    assert not _same_base(exact, {**exact, "path": "/ckpt"})  # this run's base would come from a checkpoint
+    assert same_base({"path": None, "init_seed": 0}, exact)
+    assert same_base(exact, exact)
+    assert not same_base(exact, {**exact, "random_init": "per_part"})
+    assert not same_base({**exact, "random_init": "per_part"}, {**exact, "init_seed": 1, "random_init": "per_part"})
+    assert not same_base(exact, {**exact, "path": "/ckpt"})  # this run's base would come from a checkpoint
 
 
 @pytest.mark.parametrize("frozen", ["text.train=lora", "vision.train=merger", "text.train=none"])

@@ -19,7 +19,7 @@ from dhp.models.architectures import architecture_config
 from dhp.models.layouts import make_layout
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.reshard import MOMENT_SEP, Part, SavedRanks, blocks, fill, index_of, local_shape
-from dhp.models.tensor_parallel import read_part
+from dhp.models.tensor_parts import read_part
 
 LAYOUTS = {  # (name, degree, num_actors)
     "vision": [("none", 1, 1), ("sequence", 2, 2), ("tensor", 2, 2), ("tensor", 4, 4), ("zero3", 1, 2),

@@ -126,32 +126,32 @@ def test_resume_into_another_layout(ray_session, tmp_path, capsys, a, b):
 
 def test_data_positions_of_an_older_dhp_or_other_files_are_refused(tmp_path):
     from dhp.dataflow.positions import files_key
+    from dhp.stages import resume_checks
     from dhp.stages.config import ConfigError
-    from dhp.stages.trainer import Trainer
 
     paths = ["/d/a.tar", "/d/b.tar", "/d/c.tar"]
     key = files_key(paths, True)
     now = {"epoch": 0, "parts": 3, "files": key, "part": 1, "taken": 4, "plans": {}}
-    Trainer._check_positions(tmp_path, [now, now], (3, key))
-    Trainer._check_positions(tmp_path, [now], (3, files_key([f"s3://b/x/{p[3:]}" for p in paths], True)))  # moved
+    resume_checks.check_positions(tmp_path, [now, now], (3, key))
+    resume_checks.check_positions(tmp_path, [now], (3, files_key([f"s3://b/x/{p[3:]}" for p in paths], True)))  # moved
     with pytest.raises(ConfigError, match="older form.*dhp export-hf"):
-        Trainer._check_positions(tmp_path, [{"epoch": 0, "cursor": 8}], (3, key))
+        resume_checks.check_positions(tmp_path, [{"epoch": 0, "cursor": 8}], (3, key))
     for other in ([*paths, "/d/d.tar"], paths[::-1]):
         with pytest.raises(ConfigError, match="read 3 files, not the .* of this run's data.train"):
-            Trainer._check_positions(tmp_path, [now], (len(other), files_key(other, True)))
+            resume_checks.check_positions(tmp_path, [now], (len(other), files_key(other, True)))
     with pytest.raises(ConfigError, match="read 3 files, not the 3"):
-        Trainer._check_positions(tmp_path, [now], (3, files_key(paths, False)))  # another format
+        resume_checks.check_positions(tmp_path, [now], (3, files_key(paths, False)))  # another format
 
 
 def test_another_model_is_refused(tmp_path):
     from dhp.models.architectures import architecture_config
-    from dhp.stages.trainer import Trainer
+    from dhp.stages import resume_checks
 
     config = architecture_config("tiny")
     config.save_pretrained(tmp_path)
-    assert Trainer._model_mismatch(tmp_path, config) is None
+    assert resume_checks.model_mismatch(tmp_path, config) is None
     config.text_config.num_hidden_layers = 3
-    assert Trainer._model_mismatch(tmp_path, config) == "text_config.num_hidden_layers 2 vs 3"
+    assert resume_checks.model_mismatch(tmp_path, config) == "text_config.num_hidden_layers 2 vs 3"
 
 
 def test_training_resume_names_one_choice_object(tmp_path):
