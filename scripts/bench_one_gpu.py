@@ -325,7 +325,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                                 load_config(base, [*settings[side], f"model.precision={precision}",
                                                    f"pipeline.boundary={boundary}"]), mc, sample, microbatches, steps)
                         except Exception as e:  # a later transport (alpha in Ray) failing keeps the others' rows
-                            if boundary == boundaries[0]:
+                            if not dhps:  # the first boundary is the side's baseline: without it, no dhp row
                                 raise
                             error = f"{type(e).__name__}: {e}"[:2000]
                             head.setdefault("failed_boundaries", []).append(

@@ -143,7 +143,9 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
             probes.append({"side": side, "patches": patches(side), "peak_bytes": peak})
             return peak <= cap
 
-        largest = largest_fitting(fits, sides) if sides and SERIAL[0] in overrides else None
+        # Only the serial order is searched: a pipelined one keeps up to max_in_flight graphs alive, which the
+        # probe's single step does not measure.
+        largest = largest_fitting(fits, sides) if sides and cfg.pipeline.max_in_flight == 1 else None
         memory = ray.get([a.__ray_call__.remote(_rank_memory) for a in actors])
     finally:
         trainer.shutdown()
