@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dhp.models.layout import Layout, PoolRanks
+from dhp.models.parallel.layout import Layout, PoolRanks
 from dhp.stages.config import ConfigError
 
 

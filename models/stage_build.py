@@ -2,7 +2,7 @@
 workers (stages/stage_worker.py) and the memory benchmark (scripts/measure_build.py) run the same code.
 
 Peak host memory is this rank's tensors plus one full tensor: the model is built on `meta` (recording the
-seeded init, models/materialize.py), given its precision's dtype, laid out (TP slicing, ZeRO-3 rows) while
+seeded init, models/weights/materialize.py), given its precision's dtype, laid out (TP slicing, ZeRO-3 rows) while
 still on meta, allocated (`layout.materialize`: only what the rank holds), then filled either from its
 checkpoint slices (`model.path`: one tensor read and copied at a time, straight into its parameter) or
 from its part of the seeded init (`model.random_init`: replayed one full tensor at a time, or drawn per part).
@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dhp.models.layout import Layout, PoolRanks
-from dhp.models.materialize import build_on_meta
+from dhp.models.parallel.layout import Layout, PoolRanks
 from dhp.models.precision import Precision
-from dhp.models.random_init import Exact, RandomInit
-from dhp.models.weights import into_model, load_stage_weights
+from dhp.models.weights.hf_checkpoint import into_model, load_stage_weights
+from dhp.models.weights.materialize import build_on_meta
+from dhp.models.weights.random_init import Exact, RandomInit
 
 
 def build_stage(
@@ -39,7 +39,7 @@ def build_stage(
     single-process build `torch.manual_seed(seed); build_model()` would be. From a checkpoint the model loads
     the names under its `checkpoint_prefixes` (the other stage's are not its business). `freeze(model)` sets
     `requires_grad` (models/fine_tuning.py) before the layout wraps the parameters, which keep it. Without a
-    checkpoint, `init` fills the rank's tensors (models/random_init.py; default: the exact single-process init).
+    checkpoint, `init` fills the rank's tensors (models/weights/random_init.py; default: the exact single-process init).
     """
     torch.manual_seed(seed)
     model, recipe = build_on_meta(build_model)

@@ -17,7 +17,7 @@ Fitted (least squares on log step time over the five measured cells; the publish
 bandwidth), `call_s` (fixed seconds per stage call: Ray, host syncs, the reference's Python). `matmul` is
 capped at MATMUL_CAP: two rows cannot tell slow compute from slow communication apart, and the fit left
 free puts compute at 100 % of the datasheet. A coarse log grid, then a finer one around its best point.
-Written to docs/time_model_fit.json with the residuals; models/hardware.py applies them to every
+Written to docs/time_model_fit.json with the residuals; models/planning/hardware.py applies them to every
 datasheet GPU.
 """
 
@@ -31,8 +31,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dhp.models.hardware import FITTED, datasheet
-from dhp.models.time_model import Workload
+from dhp.models.planning.hardware import FITTED, datasheet
+from dhp.models.planning.time_model import Workload
 
 # vision tokens (patches) per image -> layout -> published vision tokens / s (None: out of memory)
 REFERENCE: dict[int, dict[str, float | None]] = {

@@ -14,7 +14,7 @@ bench_layouts.py): `dist.all_reduce` / `all_gather` / `broadcast` go to the acti
 micro-batch's forward + backward runs and to the sync count afterwards; `all_to_all_single_autograd` is
 always activation (its backward by a hook on its output); FSDP2's `dist.all_gather_single` /
 `reduce_scatter_single` (torch 2.13 calls these, also on gloo) are always parameter/gradient sync.
-Saved tensors: `models/saved_tensors.py` (`saved_tensors_hooks`, deduplicated by storage, minus the
+Saved tensors: `models/planning/saved_tensors.py` (`saved_tensors_hooks`, deduplicated by storage, minus the
 storages of the parameters as they are at that moment, FSDP2's all-gathered ones included). Figures are
 means over the ranks.
 """
@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch
 
-from dhp.models.saved_tensors import SavedBytes
+from dhp.models.planning.saved_tensors import SavedBytes
 
 REAL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)
 REAL_VISION["fullatt_block_indexes"] = [7, 15, 23, 31]
@@ -81,7 +81,7 @@ class Counter:
     def __init__(self, rank: int, world: int):
         import torch.distributed as dist
 
-        from dhp.models import sequence_parallel as sp
+        from dhp.models.parallel import sequence_parallel as sp
 
         self.rank, self.world, self.comm, self.grad, self.phase = rank, world, 0.0, 0.0, "comm"
 
@@ -133,9 +133,9 @@ def _run(name: str, counter: Counter, p: int) -> dict:
     """
     import torch.distributed as dist
 
-    from dhp.models import sequence_parallel as sp
-    from dhp.models.layout import NOT_SHARDED, SKIP_SYNC, PoolRanks
-    from dhp.models.layouts import layout_class
+    from dhp.models.parallel import sequence_parallel as sp
+    from dhp.models.parallel.layout import NOT_SHARDED, SKIP_SYNC, PoolRanks
+    from dhp.models.parallel.layouts import layout_class
 
     rank, world, group = counter.rank, counter.world, dist.group.WORLD
     cfg, model = build_model()

@@ -10,7 +10,7 @@ no-ops, nothing else runs). Prints one JSON row with the fields of `dhp bench me
 degree, precision, held_bytes (the rank's tensors), largest_tensor_bytes, peak_rss_bytes (ru_maxrss of this
 process: interpreter, torch and transformers included), build_s. Run it in a fresh process per row: peak
 RSS only grows. `--whole` builds the whole stage in fp32 instead (the pattern before issue 12). `--random-init`
-is `model.random_init` (models/random_init.py): `per_part` draws only the rank's part, here on the CPU.
+is `model.random_init` (models/weights/random_init.py): `per_part` draws only the rank's part, here on the CPU.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, who
     import torch
 
     from dhp.models.architectures import architecture_config
-    from dhp.models.layouts import layout_class
+    from dhp.models.parallel.layouts import layout_class
     from dhp.models.precision import precision_of
     from dhp.models.qwen2_5_vl import TextModel, VisionModel
-    from dhp.models.random_init import random_init
     from dhp.models.stage_build import build_stage
+    from dhp.models.weights.random_init import random_init
 
     torch.set_num_threads(1)
     config = architecture_config(model)
@@ -46,7 +46,7 @@ def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, who
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        from dhp.models.layout import pool_ranks
+        from dhp.models.parallel.layout import pool_ranks
 
         dist.init_process_group("fake", rank=rank, world_size=degree, store=FakeStore())
         ranks = pool_ranks(rank, degree, degree, torch.device("cpu"))
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", default=None, help="load from this HF checkpoint dir instead of the seeded init")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 (models/precision.py)")
     p.add_argument("--random-init", default="exact", choices=("exact", "per_part"),
-                   help="model.random_init without --path (models/random_init.py; default exact)")
+                   help="model.random_init without --path (models/weights/random_init.py; default exact)")
     args = p.parse_args(argv)
     row = measure(args.model, args.stage, args.layout, args.degree, args.rank, args.whole, args.path, args.precision,
                   args.random_init)

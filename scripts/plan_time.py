@@ -4,7 +4,7 @@
              [--gpu-set FIELD=VALUE ...] [--config C] [KEY=VALUE ...] [--json PATH]
     dhp plan --search --gpu h100-sxm --gpus 8 [--image-patches P] [--top 10] [--out best.yaml] [--json PATH]
 
-`--gpu` is a datasheet name (models/hardware.py) or the JSON `dhp bench ops` wrote; `--gpu-set` replaces a
+`--gpu` is a datasheet name (models/planning/hardware.py) or the JSON `dhp bench ops` wrote; `--gpu-set` replaces a
 profile field (e.g. `intra_gbps=300`). The layout is the config's; on a GPU profile this module fills in
 what the GPU count implies: `num_gpus_per_actor` (shared placement: both pools' actor b on GPU b, half a
 GPU each; disjoint: one each, the pools side by side), `model.dtype: bfloat16`, the GPU's memory for the
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from dhp.models.activation_checkpointing import ActivationCheckpointing
-from dhp.models.hardware import Profile, profile
-from dhp.models.time_model import Workload, step_time
+from dhp.models.planning.hardware import Profile, profile
+from dhp.models.planning.time_model import Workload, step_time
 from dhp.scripts.results import write_json
 from dhp.stages.config import Config, ConfigError
 
@@ -58,7 +58,7 @@ def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload) -> Config
 
 def predict(cfg: Config, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     """`step_time` plus the memory plan of the same configuration: `fits`, GiB per device."""
-    from dhp.models.memory_plan import plan
+    from dhp.models.planning.memory_plan import plan
 
     result = step_time(cfg, mc, prof, w)
     patches = w.image_patches * result["samples_per_microbatch"]
@@ -68,7 +68,7 @@ def predict(cfg: Config, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
 
 
 def describe(cfg: Config) -> str:
-    from dhp.models.layouts import layout_class
+    from dhp.models.parallel.layouts import layout_class
 
     def pool(stage: str) -> str:
         s = getattr(cfg, stage)
@@ -108,7 +108,7 @@ def _stage_options(stage: str, n: int) -> list[tuple[str, int]]:
     """(parallelism, degree) of one pool of n ranks, for every layout of the stage: one with a model-parallel
     group (its `check_degree` takes 2) at every divisor of n above 1, the others (plain replicas, ZeRO-3 over the
     pool) at degree 1."""
-    from dhp.models.layouts import available, layout_class
+    from dhp.models.parallel.layouts import available, layout_class
 
     out = []
     for kind in available(stage):

@@ -16,7 +16,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dhp.models.layout import pool_ranks
+from dhp.models.parallel.layout import pool_ranks
 from dhp.stages import rendezvous
 
 

@@ -120,14 +120,14 @@ def _parser() -> argparse.ArgumentParser:
     bdata = bench.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
     bdata.add_argument("--json", default=None, help="write the row here")
     bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
-    from dhp.scripts.bench_boundary import add_parser as add_boundary
-    from dhp.scripts.bench_checkpointing import add_parser as add_checkpointing
-    from dhp.scripts.bench_fine_tuning import add_parser as add_fine_tuning
-    from dhp.scripts.bench_memory import add_parser as add_memory
-    from dhp.scripts.bench_one_gpu import add_parser as add_one_gpu
-    from dhp.scripts.bench_ops import add_parser as add_ops
-    from dhp.scripts.bench_peers import add_parser as add_peers
-    from dhp.scripts.bench_time_model import add_parser as add_time_model
+    from dhp.scripts.bench.boundary import add_parser as add_boundary
+    from dhp.scripts.bench.checkpointing import add_parser as add_checkpointing
+    from dhp.scripts.bench.fine_tuning import add_parser as add_fine_tuning
+    from dhp.scripts.bench.memory import add_parser as add_memory
+    from dhp.scripts.bench.one_gpu import add_parser as add_one_gpu
+    from dhp.scripts.bench.ops import add_parser as add_ops
+    from dhp.scripts.bench.peers import add_parser as add_peers
+    from dhp.scripts.bench.time_model import add_parser as add_time_model
 
     add_memory(bench)
     add_checkpointing(bench)
@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> int:
     """`dhp plan`: the table, the JSON rows; exit 0 when it fits (or there is nothing to compare), 1 when not."""
-    from dhp.models.memory_plan import advice, plan, table
+    from dhp.models.planning.memory_plan import advice, plan, table
     from dhp.stages.pools import check_layout
     from dhp.stages.trainer import model_config_of
 
@@ -198,56 +198,56 @@ def main(argv: list[str] | None = None) -> int:
 
             return report(args)
         elif args.command == "export-hf":
-            from dhp.models.export import export_hf
+            from dhp.models.weights.export import export_hf
 
             weight_map = export_hf(args.checkpoint, args.out, args.max_shard_size)
             print(f"{len(weight_map)} tensors written to {args.out}")
         elif args.command == "bench" and args.bench_command == "layouts":
-            from dhp.scripts.bench_layouts import main as bench_layouts
+            from dhp.scripts.bench.layouts import main as bench_layouts
 
             return bench_layouts(args)
         elif args.command == "bench" and args.bench_command == "recovery":
-            from dhp.scripts.bench_recovery import main as bench_recovery
+            from dhp.scripts.bench.recovery import main as bench_recovery
 
             return bench_recovery(args)
         elif args.command == "bench" and args.bench_command == "pipeline":
-            from dhp.scripts.bench_pipeline import main as bench_pipeline
+            from dhp.scripts.bench.pipeline import main as bench_pipeline
 
             return bench_pipeline(args)
         elif args.command == "bench" and args.bench_command == "checkpointing":
-            from dhp.scripts.bench_checkpointing import main as bench_checkpointing
+            from dhp.scripts.bench.checkpointing import main as bench_checkpointing
 
             return bench_checkpointing(args)
         elif args.command == "bench" and args.bench_command == "memory":
-            from dhp.scripts.bench_memory import main as bench_memory
+            from dhp.scripts.bench.memory import main as bench_memory
 
             return bench_memory(args)
         elif args.command == "bench" and args.bench_command == "ops":
-            from dhp.scripts.bench_ops import main as bench_ops
+            from dhp.scripts.bench.ops import main as bench_ops
 
             return bench_ops(args)
         elif args.command == "bench" and args.bench_command == "time-model":
-            from dhp.scripts.bench_time_model import main as bench_time_model
+            from dhp.scripts.bench.time_model import main as bench_time_model
 
             return bench_time_model(args)
         elif args.command == "bench" and args.bench_command == "fine-tuning":
-            from dhp.scripts.bench_fine_tuning import main as bench_fine_tuning
+            from dhp.scripts.bench.fine_tuning import main as bench_fine_tuning
 
             return bench_fine_tuning(args)
         elif args.command == "bench" and args.bench_command == "one-gpu":
-            from dhp.scripts.bench_one_gpu import main as bench_one_gpu
+            from dhp.scripts.bench.one_gpu import main as bench_one_gpu
 
             return bench_one_gpu(args)
         elif args.command == "bench" and args.bench_command == "boundary":
-            from dhp.scripts.bench_boundary import main as bench_boundary
+            from dhp.scripts.bench.boundary import main as bench_boundary
 
             return bench_boundary(args)
         elif args.command == "bench" and args.bench_command == "peers":
-            from dhp.scripts.bench_peers import main as bench_peers
+            from dhp.scripts.bench.peers import main as bench_peers
 
             return bench_peers(args)
         elif args.command == "bench" and args.bench_command == "data":
-            from dhp.scripts.bench_data import main as bench_data
+            from dhp.scripts.bench.data import main as bench_data
 
             return bench_data(args)
     except (ConfigError, FileNotFoundError, FileExistsError) as e:

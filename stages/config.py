@@ -34,7 +34,8 @@ class ModelConfig:
     path: str | None = None  # local HF checkpoint dir (config.json + *.safetensors); overrides `name`
     init_seed: int = 0  # seed of the random init when no `path` is given
     # exact: the single-process build's values in every layout (replayed on the CPU, the whole stage per rank);
-    # per_part: each rank draws only its part on its device (same distribution, another stream: models/random_init.py)
+    # per_part: each rank draws only its part on its device (same distribution, another stream:
+    # models/weights/random_init.py)
     random_init: Literal["exact", "per_part"] = "exact"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype under fp32 precision (GPU autocast)
@@ -391,7 +392,7 @@ def validate(config: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    from dhp.models.hf_writer import parse_size
+    from dhp.models.weights.hf_writer import parse_size
 
     try:
         parse_size(config.output.max_shard_size)

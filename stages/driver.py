@@ -87,9 +87,9 @@ def check_attention(implementation: str) -> None:
 
 
 def check_memory(cfg: Config, model_config: Any) -> None:
-    """Refuse a layout the memory plan (models/memory_plan.py) says will not fit its GPUs, with the plan's table
-    and what would fit; `training.skip_memory_check=true` starts anyway."""
-    from dhp.models.memory_plan import advice, plan, table
+    """Refuse a layout the memory plan (models/planning/memory_plan.py) says will not fit its GPUs, with the
+    plan's table and what would fit; `training.skip_memory_check=true` starts anyway."""
+    from dhp.models.planning.memory_plan import advice, plan, table
 
     result = plan(cfg, model_config)
     if result["fits"] is False and not cfg.training.skip_memory_check:

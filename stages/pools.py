@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from dhp.models.layout import Layout
+from dhp.models.parallel.layout import Layout
 from dhp.stages.actor_group import ActorGroup
 from dhp.stages.boundary import HostTransport, Transport
 from dhp.stages.config import Config, ConfigError
@@ -46,8 +46,8 @@ def check_layout(cfg: Config, model_config=None) -> None:
     more vision forwards alive than `pipeline.max_in_flight` allows (`routing.check_fan`).
     """
     from dhp.models.fine_tuning import FineTuning
-    from dhp.models.layouts import layout_class, stage_layout
-    from dhp.models.random_init import random_init
+    from dhp.models.parallel.layouts import layout_class, stage_layout
+    from dhp.models.weights.random_init import random_init
     from dhp.stages.routing import check_fan
 
     ft = FineTuning(cfg)

@@ -1,6 +1,6 @@
 """Whether this run can continue a checkpoint: clear stops before any rank or data stream is touched.
 
-A resumed run may use another layout (resharded on load, models/reshard.py) and another number of data
+A resumed run may use another layout (resharded on load, models/weights/reshard.py) and another number of data
 streams (`positions.reshard`), but not another model, another frozen base, other frozen modules, an older
 dhp's checkpoint format or other training files. Each refusal says what would work instead.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import Qwen2_5_VLConfig
 
-from dhp.models.export import read_meta
+from dhp.models.weights.export import read_meta
 from dhp.stages.config import ConfigError
 
 

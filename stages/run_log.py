@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import ray
 from tqdm import tqdm
 
-from dhp.models.flops import actor_peak, step_flops
+from dhp.models.planning.flops import actor_peak, step_flops
 from dhp.models.precision import precision_of
 from dhp.stages.config import Config
 

@@ -22,15 +22,15 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.fine_tuning import FineTuning, group_lrs
-from dhp.models.layout import NOT_SHARDED, SKIP_SYNC
-from dhp.models.layouts import make_layout, stage_layout
+from dhp.models.parallel.layout import NOT_SHARDED, SKIP_SYNC
+from dhp.models.parallel.layouts import make_layout, stage_layout
+from dhp.models.parallel.tensor_parallel import sum_partial_grads
+from dhp.models.parallel.zero3 import local_tensor
 from dhp.models.precision import precision_of
-from dhp.models.random_init import random_init
-from dhp.models.reshard import MOMENT_SEP, SavedRanks, index_of
 from dhp.models.stage_build import build_stage
-from dhp.models.tensor_parallel import sum_partial_grads
-from dhp.models.weights import save_shard
-from dhp.models.zero3 import local_tensor
+from dhp.models.weights.hf_checkpoint import save_shard
+from dhp.models.weights.random_init import random_init
+from dhp.models.weights.reshard import MOMENT_SEP, SavedRanks, index_of
 from dhp.stages.actor_group import DistributedWorker
 from dhp.stages.checkpoint_files import file_entry
 from dhp.stages.config import Config
@@ -119,7 +119,7 @@ def recorded(name: str):
 
 class StageWorker(DistributedWorker):
     """A stage's model on one actor. Subclasses build `self.model` and define forward/backward; everything
-    that depends on the stage's parallelism is asked of `self.layout` (models/layout.py)."""
+    that depends on the stage's parallelism is asked of `self.layout` (models/parallel/layout.py)."""
 
     stage = ""  # "vision" | "text"
 
@@ -179,7 +179,7 @@ class StageWorker(DistributedWorker):
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of this rank's parameters, gradients (those present) and AdamW states (its ZeRO-1 share):
-        what the memory plan predicts (models/memory_plan.py)."""
+        what the memory plan predicts (models/planning/memory_plan.py)."""
 
         def nbytes(tensors) -> int:  # not by storage: FSDP2's gradients are views of one reduce-scatter buffer
             return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
@@ -190,7 +190,7 @@ class StageWorker(DistributedWorker):
 
     def measure_activations(self, on: bool = True) -> list[dict[str, int]]:
         """Start (on) or stop recording, per training forward, the bytes it keeps for backward (saved-tensor
-        hooks, models/saved_tensors.py) with the size of its input (`patches` / `tokens`): what the memory
+        hooks, models/planning/saved_tensors.py) with the size of its input (`patches` / `tokens`): what the memory
         plan predicts as activations. Returns the records so far and clears them."""
         done, self._measured = self._measured or [], [] if on else None
         self._measuring_changed(on)
@@ -362,7 +362,7 @@ class StageWorker(DistributedWorker):
         `saved_layout` ({parallelism, degree, num_actors} of this stage in the checkpoint; None: this
         rank's own) gives the slicers of the ranks that wrote it. For each of its own tensors and moments
         this rank reads, from the ranks holding them, only the intersections with its own part
-        (models/reshard.py): no full tensor is gathered; in the same layout that is an exact copy of its own
+        (models/weights/reshard.py): no full tensor is gathered; in the same layout that is an exact copy of its own
         files. Scheduler and RNG come from the writer of the same rank (rank 0's when that layout had fewer).
         """
         ckpt = Path(ckpt_dir)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from dhp.models.lora import add_lora
+from dhp.models.planning.saved_tensors import SavedBytes
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
-from dhp.models.saved_tensors import SavedBytes
 from dhp.stages.boundary import WireTensor, assemble, shard_gradients
 from dhp.stages.stage_worker import StageWorker, recorded
 

@@ -23,9 +23,9 @@ from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
-from dhp.models.export import export_hf, write_meta
 from dhp.models.fine_tuning import FineTuning
-from dhp.models.layouts import stage_layout
+from dhp.models.parallel.layouts import stage_layout
+from dhp.models.weights.export import export_hf, write_meta
 from dhp.stages.actor_group import CallLedger
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, save_config
@@ -294,7 +294,7 @@ class Trainer:
     def save_weights(self, out_dir: Path) -> None:
         """An HF checkpoint dir in `output.max_shard_size` shards, streamed: the ranks of one model copy write
         their own tensors (no gathering onto an actor), then the driver reassembles and writes one full
-        tensor at a time (models/export.py) and removes the rank files."""
+        tensor at a time (models/weights/export.py) and removes the rank files."""
         staging = out_dir.parent / f".{out_dir.name}.ranks"
         shutil.rmtree(staging, ignore_errors=True)
         try:
@@ -357,7 +357,7 @@ class Trainer:
         """Load a checkpoint of this model written by any layout; returns its step. The data streams
         continue after it. Another layout (degree, replicas, pool sizes, parallelism) is resharded on
         load: each rank reads from the writers' files only the parts of its own weights and AdamW moments
-        (StageWorker.load_state, models/reshard.py), and the data position is carried over to this run's
+        (StageWorker.load_state, models/weights/reshard.py), and the data position is carried over to this run's
         number of streams (`positions.reshard`)."""
         meta = check_resumable(ckpt, self.model_config, self._base(), self._partial_stages())
         saved, now = meta["layout"], self.layout()

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from dhp.models.planning.saved_tensors import SavedBytes
 from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.saved_tensors import SavedBytes
 from dhp.stages.boundary import WireTensor
 from dhp.stages.stage_worker import StageWorker, recorded
 

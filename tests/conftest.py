@@ -37,7 +37,7 @@ def quick_ops_profile(ray_session, tmp_path_factory):
     (its run reuses the session's Ray and leaves it running)."""
     import argparse
 
-    from dhp.scripts.bench_ops import main
+    from dhp.scripts.bench.ops import main
 
     path = tmp_path_factory.mktemp("bench_ops") / "sub" / "profile.json"
     assert main(argparse.Namespace(json=str(path), quick=True)) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dhp.scripts.bench_fine_tuning import MODES, main
+from dhp.scripts.bench.fine_tuning import MODES, main
 
 
 def test_bench_fine_tuning_quick_rows_hold_what_each_mode_keeps(ray_session, tmp_path, capsys):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dhp.scripts import bench_layouts as bench
+from dhp.scripts.bench import layouts as bench
 from dhp.stages.cli import main as cli_main
 
 KEYS = {

@@ -1,4 +1,4 @@
-"""`dhp bench memory` (scripts/bench_memory.py) on its quick size, the released shapes it counts, and the
+"""`dhp bench memory` (scripts/bench/memory.py) on its quick size, the released shapes it counts, and the
 per-rank checkpoint hashing (stages/checkpoint_files.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import math
 import pytest
 
 from dhp.models.architectures import architecture_config
-from dhp.models.layouts import make_layout
+from dhp.models.parallel.layouts import make_layout
 from dhp.models.precision import precision_of
-from dhp.scripts.bench_memory import full_shapes
+from dhp.scripts.bench.memory import full_shapes
 from dhp.stages.checkpoint_files import commit, file_entry, verify
 from dhp.stages.cli import main
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dhp.scripts.bench_one_gpu import main, profile_summary
+from dhp.scripts.bench.one_gpu import main, profile_summary
 
 
 def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_path, capsys):
@@ -57,7 +57,7 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
 def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():
     """What the device run will choose for the 3B (fp32 master states are 60 GB: they do not fit an 80 GB H100
     beside 16 k-patch activations), decided by the plan alone, so checked here without a GPU."""
-    from dhp.scripts.bench_one_gpu import _settings, choose_precision
+    from dhp.scripts.bench.one_gpu import _settings, choose_precision
     from dhp.stages.config import load_config
     from dhp.stages.trainer import model_config_of
 
@@ -77,7 +77,7 @@ def test_a_side_that_fails_is_recorded_and_the_sides_before_it_kept(ray_session,
     shape has none."""
     import torch
 
-    from dhp.scripts import bench_one_gpu
+    from dhp.scripts.bench import one_gpu as bench_one_gpu
 
     real, calls = bench_one_gpu.run_dhp, []
 
@@ -105,7 +105,7 @@ def test_the_device_counts_as_released_with_this_process_cache_in_it():
     """The wait between systems (GPU only) decided on numbers: the 2026-11-26 H100 run's second image size, where
     this process's one-process loop kept 37.6 GiB cached on the 79.2 GiB device and the old check (free >= 90 %)
     waited out its limit; actors still holding memory keep it waiting."""
-    from dhp.scripts.bench_one_gpu import device_released
+    from dhp.scripts.bench.one_gpu import device_released
 
     gib = 2**30
     total, cached = int(79.2 * gib), int(37.6 * gib)
@@ -151,7 +151,7 @@ def test_profile_summary_counts_the_chip_busy_once_and_skips_markers():
 
 
 def test_boundaries_are_checked_when_parsed():
-    from dhp.scripts.bench_one_gpu import _boundaries
+    from dhp.scripts.bench.one_gpu import _boundaries
 
     assert _boundaries("host,cuda_ipc") == ("host", "cuda_ipc")
     with pytest.raises(argparse.ArgumentTypeError, match="nccl: pipeline.boundary is one of host, cuda_ipc"):

@@ -1,4 +1,4 @@
-"""`dhp bench ops` (scripts/bench_ops.py) on its quick sizes: a complete profile of measured rates."""
+"""`dhp bench ops` (scripts/bench/ops.py) on its quick sizes: a complete profile of measured rates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from dhp.scripts.bench_ops import CPU_MATMUL_SIZES, FIELDS, main
+from dhp.scripts.bench.ops import CPU_MATMUL_SIZES, FIELDS, main
 
 RATES = ("matmul_tflops", "attention_tflops", "window_attention_tflops", "causal_attention_tflops",
          "attention_backward_ratio", "optimizer_s_per_param", "op_latency_s", "memory_gbps",

@@ -1,4 +1,4 @@
-"""`dhp bench peers` (scripts/bench_peers.py) at its quick size: every system runs, the memory search is
+"""`dhp bench peers` (scripts/bench/peers.py) at its quick size: every system runs, the memory search is
 consistent with the cap it states, and the byte counts hold the structural claim (a DeepSpeed ZeRO-3 rank keeps
 a whole sample's activations, a dhp sequence / tensor rank a share). No wall-clock time is asserted."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.scripts.bench_peers import BASE, bench_config, gpu_settings, plot, run, systems, table
+from dhp.scripts.bench.peers import BASE, bench_config, gpu_settings, plot, run, systems, table
 from dhp.scripts.peers.probe import SIDE_UNIT, ladder, largest_fitting, patches
 
 

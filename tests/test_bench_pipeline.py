@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from dhp.scripts import bench_pipeline as bench
+from dhp.scripts.bench import pipeline as bench
 from dhp.stages.cli import main as cli_main
 
 SCENARIOS = ["balanced", "vision_heavy", "text_heavy"]

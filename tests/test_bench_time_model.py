@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dhp.models.hardware import datasheet, profile
-from dhp.scripts.bench_time_model import CONFIGS, OVERSUBSCRIBED, TOLERANCE, run, table
+from dhp.models.planning.hardware import datasheet, profile
+from dhp.scripts.bench.time_model import CONFIGS, OVERSUBSCRIBED, TOLERANCE, run, table
 
 CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "ops_profile_cpu.json"
 

@@ -44,7 +44,7 @@ def test_bench_boundary_quick_writes_both_formats(ray_session, tmp_path, capsys)
     import argparse
     import json
 
-    from dhp.scripts.bench_boundary import main
+    from dhp.scripts.bench.boundary import main
 
     path = tmp_path / "boundary.json"
     assert main(argparse.Namespace(quick=True, json=str(path), reps=3)) == 0

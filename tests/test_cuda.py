@@ -93,10 +93,10 @@ def test_per_part_init_draws_each_part_on_the_gpu():
     parts drawn on the device form one model of the exact build's distribution (tests/test_random_init.py is the
     CPU case)."""
     from dhp.models.architectures import architecture_config
-    from dhp.models.layouts import make_layout
-    from dhp.models.materialize import build_on_meta
+    from dhp.models.parallel.layouts import make_layout
     from dhp.models.qwen2_5_vl import TextModel
-    from dhp.models.random_init import PerPart
+    from dhp.models.weights.materialize import build_on_meta
+    from dhp.models.weights.random_init import PerPart
     from tests.test_random_init import _same_distribution
 
     config = architecture_config("tiny")

@@ -1,5 +1,5 @@
-"""Streaming Hugging Face export (models/hf_writer.py, models/export.py): rank files of every layout become
-`max_shard_size` shards holding exactly the full tensors, written one tensor at a time."""
+"""Streaming Hugging Face export (models/weights/hf_writer.py, models/weights/export.py): rank files of every layout
+become `max_shard_size` shards holding exactly the full tensors, written one tensor at a time."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dhp.models.export import HF_NAME, export_hf, write_meta
-from dhp.models.hf_writer import CHUNK_BYTES, Entry, parse_size, plan_shards, write_shards
-from dhp.models.layouts import make_layout
-from dhp.models.tensor_parts import read_part
-from dhp.models.weights import INDEX_FILE
+from dhp.models.parallel.layouts import make_layout
+from dhp.models.parallel.tensor_parts import read_part
+from dhp.models.weights.export import HF_NAME, export_hf, write_meta
+from dhp.models.weights.hf_checkpoint import INDEX_FILE
+from dhp.models.weights.hf_writer import CHUNK_BYTES, Entry, parse_size, plan_shards, write_shards
 from dhp.stages.config import ConfigError, load_config
 from tests.test_layouts import CASES, full_states  # noqa: F401  (fixture)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dhp.scripts.bench_recovery import HANG_TIMEOUT_S, KINDS, epochs_exact, start_run
+from dhp.scripts.bench.recovery import HANG_TIMEOUT_S, KINDS, epochs_exact, start_run
 from dhp.stages.checkpoint_files import verify
 
 STEPS, EVERY, AT = 8, 2, 3  # `--quick`: 8 steps, a checkpoint every 2, the fault after step 3
@@ -144,7 +144,7 @@ def test_failed_checkpoint_write_stops_when_asked(tmp_path):
 
 
 def test_restarts_used_up_exits_nonzero_with_one_line(tmp_path):
-    from dhp.scripts.bench_recovery import kill_vision_actor_after_step
+    from dhp.scripts.bench.recovery import kill_vision_actor_after_step
 
     run = start_run(tmp_path, "fatal", STEPS, EVERY, "training.max_restarts=0")
     kill_vision_actor_after_step(run, 1)

@@ -17,7 +17,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
 from dhp.models.architectures import architecture_config
-from dhp.models.flops import (
+from dhp.models.planning.flops import (
     TRAIN_FACTOR,
     datasheet_tflops,
     measure_matmul_tflops,

@@ -1,4 +1,4 @@
-"""The layout objects (models/layout.py): registry, slicer/gather round trips, held elements, boundary fan-out,
+"""The layout objects (models/parallel/layout.py): registry, slicer/gather round trips, held elements, boundary fan-out,
 and that nothing outside config validation and the registry compares layout names."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dhp.models.architectures import architecture_config
-from dhp.models.layouts import LAYOUTS, available, layout_class, make_layout
+from dhp.models.parallel.layouts import LAYOUTS, available, layout_class, make_layout
+from dhp.models.parallel.tensor_parts import read_part
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.tensor_parts import read_part
 from dhp.stages.config import StageConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Meta-device construction and per-rank materialisation (models/materialize.py): every rank's part of the
+"""Meta-device construction and per-rank materialisation (models/weights/materialize.py): every rank's part of the
 seeded init is exactly the single-process build's, and a run without `model.path` trains that model."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from torch import nn
 from dhp.dataflow.loader import GlobalBatch
 from dhp.dataflow.packing import text_inputs, vision_inputs
 from dhp.models.architectures import architecture_config
-from dhp.models.layouts import make_layout
-from dhp.models.materialize import build_on_meta, materialize_params, replay
+from dhp.models.parallel.layouts import make_layout
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
+from dhp.models.weights.materialize import build_on_meta, materialize_params, replay
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
 from tests.test_layouts import CASES

@@ -1,5 +1,5 @@
-"""The memory plan (models/memory_plan.py, `dhp plan`): presets fit their GPUs, `dhp train` refuses what does not,
-and the plan's model-state bytes are what the actors really hold."""
+"""The memory plan (models/planning/memory_plan.py, `dhp plan`): presets fit their GPUs, `dhp train` refuses what
+does not, and the plan's model-state bytes are what the actors really hold."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from dhp.models.memory_plan import GIB, plan
+from dhp.models.planning.memory_plan import GIB, plan
 from dhp.stages.cli import main
 from dhp.stages.config import load_config
 from dhp.stages.trainer import model_config_of
@@ -61,9 +61,9 @@ def test_text_activation_formula_matches_what_autograd_keeps():
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from dhp.models.memory_plan import text_activations
+    from dhp.models.planning.memory_plan import text_activations
     from dhp.models.qwen2_5_vl import TextModel
-    from dhp.scripts.bench_checkpointing import STATE, deep_config
+    from dhp.scripts.bench.checkpointing import STATE, deep_config
 
     config = deep_config(text_layers=12)
     torch.manual_seed(0)

@@ -18,8 +18,8 @@ import ray
 
 from dhp.dataflow.loader import GlobalBatch
 from dhp.models.fine_tuning import FineTuning
-from dhp.models.layouts import stage_layout
-from dhp.models.memory_plan import kept_activations, model_state_bytes, stage_shapes
+from dhp.models.parallel.layouts import stage_layout
+from dhp.models.planning.memory_plan import kept_activations, model_state_bytes, stage_shapes
 from dhp.models.precision import precision_of
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
@@ -31,7 +31,7 @@ TOLERANCE = 0.10
 @pytest.fixture(scope="module")
 def deep_setup(tmp_path_factory):
     """A seeded tiny-but-deep checkpoint and one preprocessed one-image sample (`dhp bench time-model`'s)."""
-    from dhp.scripts.bench_time_model import IMAGE, deep_sample  # 2 048 patches, 512 merged tokens
+    from dhp.scripts.bench.time_model import IMAGE, deep_sample  # 2 048 patches, 512 merged tokens
 
     config, ckpt, sample = deep_sample(tmp_path_factory.mktemp("deep"))
     assert int(sample["image_grid_thw"].prod()) == IMAGE[0] * IMAGE[1] // 14**2

@@ -1,4 +1,4 @@
-"""`model.random_init=per_part` (models/random_init.py): each rank draws only its part, and the parts still form
+"""`model.random_init=per_part` (models/weights/random_init.py): each rank draws only its part, and the parts still form
 one model with the exact build's distribution; `exact`'s bit-for-bit equality is tests/test_meta_build.py's."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from torch import nn
 
 from dhp.dataflow.loader import GlobalBatch
 from dhp.models.architectures import architecture_config
-from dhp.models.layouts import make_layout
-from dhp.models.materialize import build_on_meta
+from dhp.models.parallel.layouts import make_layout
+from dhp.models.parallel.tensor_parts import read_part
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.random_init import PerPart, random_init
-from dhp.models.tensor_parts import read_part
+from dhp.models.weights.materialize import build_on_meta
+from dhp.models.weights.random_init import PerPart, random_init
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
 from tests.test_layouts import CASES

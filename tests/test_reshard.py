@@ -1,4 +1,4 @@
-"""Resharding (models/reshard.py): parts laid out by one layout's slicers, refilled into another's.
+"""Resharding (models/weights/reshard.py): parts laid out by one layout's slicers, refilled into another's.
 
 For every pair of a small set of layouts per stage (each parallelism kind, TP 2 <-> 4 with KV heads split
 and replicated, ZeRO-3 over 2 <-> 3 ranks with uneven and empty rows, several replicas), a random full
@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from dhp.models.architectures import architecture_config
-from dhp.models.layouts import make_layout
+from dhp.models.parallel.layouts import make_layout
+from dhp.models.parallel.tensor_parts import read_part
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.reshard import MOMENT_SEP, Part, SavedRanks, blocks, fill, index_of, local_shape
-from dhp.models.tensor_parts import read_part
+from dhp.models.weights.reshard import MOMENT_SEP, Part, SavedRanks, blocks, fill, index_of, local_shape
 
 LAYOUTS = {  # (name, degree, num_actors)
     "vision": [("none", 1, 1), ("sequence", 2, 2), ("tensor", 2, 2), ("tensor", 4, 4), ("zero3", 1, 2),

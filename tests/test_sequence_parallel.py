@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers.vision_utils import get_vision_window_index
 
-from dhp.models import sequence_parallel as sp_mod
 from dhp.models.architectures import architecture_config
+from dhp.models.parallel import sequence_parallel as sp_mod
+from dhp.models.parallel.sequence_parallel import check_sp_degree, gather_merged, plan_shards, sp_vision_forward
 from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.sequence_parallel import check_sp_degree, gather_merged, plan_shards, sp_vision_forward
 from tests.conftest import free_port, perturbed_reference, rel_err
 
 MAIN = [[1, 16, 20], [1, 8, 8], [1, 4, 6]]  # the last image is one window: smaller than sp x window

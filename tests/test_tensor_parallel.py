@@ -16,8 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dhp.models.architectures import architecture_config
-from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel, rope_positions
-from dhp.models.tensor_parallel import (
+from dhp.models.parallel.tensor_parallel import (
     apply_tensor_parallel,
     check_tp_degree,
     gather_full_state_dict,
@@ -25,6 +24,7 @@ from dhp.models.tensor_parallel import (
     sum_partial_grads,
     tp_slice,
 )
+from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel, rope_positions
 from tests.conftest import free_port, perturbed_reference, rel_err
 
 IMAGE_PAD, END = 151655, 151643

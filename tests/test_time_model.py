@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dhp.models.architectures import architecture_config
-from dhp.models.hardware import FITTED, datasheet, fitted_efficiency, profile
-from dhp.models.time_model import Workload
+from dhp.models.planning.hardware import FITTED, datasheet, fitted_efficiency, profile
+from dhp.models.planning.time_model import Workload
 from dhp.scripts.fit_time_model import REFERENCE, predict_reference
 from dhp.scripts.plan_time import predict, prepare, search
 from dhp.stages.cli import main as cli_main
@@ -129,8 +129,8 @@ def test_time_model_follows_the_fine_tuning_modes():
     faster than full training) against the plan from the committed CPU profile. Both files come from different
     sessions of this machine, hence 25 % rather than the same-session 20 % of tests/test_bench_time_model.py.
     Before the time model asked `FineTuning`, every frozen-ViT mode was predicted 2.1-2.4x too slow."""
-    from dhp.scripts.bench_fine_tuning import MODES
-    from dhp.scripts.bench_peers import bench_config
+    from dhp.scripts.bench.fine_tuning import MODES
+    from dhp.scripts.bench.peers import bench_config
 
     measured = json.loads((CPU_PROFILE.parent / "fine_tuning.json").read_text())
     prof, mc = profile(str(CPU_PROFILE)), bench_config()
@@ -157,7 +157,7 @@ def test_zero3_merger_only_backward_gathers_only_the_merger():
     their gathers and reduce-scatters are not in it. Measured here (`dhp bench time-model` configurations plus
     vision.train=merger): vision.backward 20-23 ms against 340-355 ms for the whole ViT, where the model said
     107 ms before (every block's backward gathers) and 14 ms now."""
-    from dhp.scripts.bench_time_model import ZERO3
+    from dhp.scripts.bench.time_model import ZERO3
 
     prof, w = profile(str(CPU_PROFILE)), Workload(2048, 64)
     backward = {}

@@ -19,8 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dhp.models.architectures import architecture_config
-from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.vision_tensor_parallel import (
+from dhp.models.parallel.vision_tensor_parallel import (
     apply_vision_tensor_parallel,
     check_vision_tp_degree,
     gather_full_vision_state_dict,
@@ -28,6 +27,7 @@ from dhp.models.vision_tensor_parallel import (
     shard_vision_state_dict_for_rank,
     vision_tp_slice,
 )
+from dhp.models.qwen2_5_vl import VisionModel
 from tests.conftest import free_port, perturbed_reference, rel_err
 
 STEPS = 3

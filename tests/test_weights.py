@@ -11,7 +11,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from dhp.models.architectures import architecture_config
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.weights import canonical_name, load_stage_weights
+from dhp.models.weights.hf_checkpoint import canonical_name, load_stage_weights
 
 VISION = ("model.visual.",)
 TEXT = ("model.language_model.", "lm_head.")
@@ -120,7 +120,7 @@ def test_not_a_checkpoint_dir(tmp_path):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tensor_parallel_rank_reads_only_its_slices(reference, tmp_path, rank):
     """A TP rank's module holds slices; it fills them from the checkpoint with get_slice, full shapes checked."""
-    from dhp.models.tensor_parallel import shard_state_dict_for_rank, tp_slice
+    from dhp.models.parallel.tensor_parallel import shard_state_dict_for_rank, tp_slice
 
     model, config, path = reference
     text = TextModel(config)

@@ -107,8 +107,8 @@ def rank_main(args: argparse.Namespace) -> None:
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.integrations import HfDeepSpeedConfig
 
+    from dhp.models.planning.saved_tensors import SavedBytes
     from dhp.models.precision import precision_of
-    from dhp.models.saved_tensors import SavedBytes
     from dhp.scripts.peers.probe import image_sample, largest_fitting, patches
 
     # DeepSpeed 0.19 calls collectives torch 2.13 renamed: one FutureWarning per call and rank, nothing to act on

@@ -53,10 +53,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dhp.models.layout import PoolRanks, VitShape
+from dhp.models.parallel.layout import PoolRanks, VitShape
+from dhp.models.parallel.tensor_parallel import TensorParallel, copy_hook, reduce_from_region
+from dhp.models.parallel.tensor_parts import gather_sliced, read_part, shard_sliced
 from dhp.models.qwen2_5_vl import VisionModel
-from dhp.models.tensor_parallel import TensorParallel, copy_hook, reduce_from_region
-from dhp.models.tensor_parts import gather_sliced, read_part, shard_sliced
 
 Index = tuple[slice, ...] | list[tuple[slice, ...]]
 

@@ -73,10 +73,10 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
     """The module docstring's fields, measured on the default process group (CPU / gloo)."""
     import torch
 
+    from dhp.models.parallel.zero3 import apply_zero3
     from dhp.models.qwen2_5_vl import TextModel, VisionModel
-    from dhp.models.zero3 import apply_zero3
-    from dhp.scripts.bench_ops_stages import DEPTH, IMAGE, TEXT_LAYERS
-    from dhp.scripts.bench_time_model import deep_sample
+    from dhp.scripts.bench.ops_stages import DEPTH, IMAGE, TEXT_LAYERS
+    from dhp.scripts.bench.time_model import deep_sample
 
     reps = 5 if quick else 10
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,7 @@ def _layouts(actors: int) -> dict[str, tuple[int, int]]:
 
 def _batches(samples: list[dict], text_replicas: int):
     """The samples as one-sample micro-batches, split evenly over the text replicas (in order)."""
-    from dhp.scripts.bench_pipeline import global_batch
+    from dhp.scripts.bench.pipeline import global_batch
 
     per = len(samples) // text_replicas
     return [global_batch(samples[t * per:(t + 1) * per]) for t in range(text_replicas)]

@@ -19,7 +19,7 @@ from the synthetic set) first in the serial order (pipeline.max_in_flight=1), th
   driver_overhead_ms  median time the driver spends submitting, per micro-batch.
 Goals (flags in the JSON, never asserted): ratio_to_max <= 1.15, speedup >= 1.3 when balanced,
 driver_overhead_ms <= 2. A fourth row, `vision_bound_scaling`, compares the same actors split Dv = Dt and
-Dv > Dt (fan-in) on a vision-bound model (scripts/bench_pool_scaling.py). Chrome traces of one serial and
+Dv > Dt (fan-in) on a vision-bound model (scripts/bench/pool_scaling.py). Chrome traces of one serial and
 one pipelined step per scenario, a text timeline of them and a PNG of the same timelines (`plot_timelines`)
 are written next to the JSON.
 """
@@ -335,7 +335,7 @@ def main(args=None) -> int:
     own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session fixture) is reused, left running
     rows, texts = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        from dhp.scripts import bench_pool_scaling as scaling
+        from dhp.scripts.bench import pool_scaling as scaling
 
         samples = load_samples(scaling.samples_needed(preset["microbatches"]), Path(tmp))
         fits = calibrate(samples[0], preset, reps=1 if args.quick else 3)

@@ -61,7 +61,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
 from dhp.models.activation_checkpointing import maybe_checkpoint
-from dhp.models.layout import NOT_SHARDED, Layout, PoolRanks, VitShape
+from dhp.models.parallel.layout import NOT_SHARDED, Layout, PoolRanks, VitShape
 from dhp.models.window_attention import segment_attention
 
 

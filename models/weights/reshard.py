@@ -1,6 +1,6 @@
 """Resharding: fill one rank's part of a tensor from the parts other ranks of another layout hold.
 
-A layout's `slicer` gives the index of a rank's part of a full tensor (models/layout.py) in one of three
+A layout's `slicer` gives the index of a rank's part of a full tensor (models/parallel/layout.py) in one of three
 forms: None (the whole tensor), a tuple of slices (a rectangle; missing trailing dims and `slice(None)` mean
 the whole dim), or a list of such tuples (row blocks concatenated along dim 0 in the local tensor, e.g. a
 vision TP rank's q, k and v rows of the fused qkv). Every form is turned into *blocks*: a rectangle of the
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dhp.models.hf_writer import DTYPE_OF
+from dhp.models.weights.hf_writer import DTYPE_OF
 
 Index = tuple[slice, ...] | list[tuple[slice, ...]] | None
 Region = tuple[slice, ...]

@@ -1,8 +1,8 @@
-"""What a device can do, as the step-time model (models/time_model.py) reads it: a *profile*.
+"""What a device can do, as the step-time model (models/planning/time_model.py) reads it: a *profile*.
 
 Two sources, one shape:
 - measured: `dhp bench ops --json PATH` times matmul, attention, collectives, copies and Ray calls on the
-  machine it runs on (scripts/bench_ops.py defines every field). Its efficiency factors are 1: the rates
+  machine it runs on (scripts/bench/ops.py defines every field). Its efficiency factors are 1: the rates
   are what this machine did.
 - datasheet: `--gpu NAME` below. Peak bf16 dense rate, memory, HBM, NVLink/PCIe and inter-node bandwidth
   from the vendors' datasheets, and *efficiency factors* (achieved / datasheet) fitted on the two rows the
@@ -60,7 +60,7 @@ class Profile:
     all_gather_by_size: list[list[float]] = field(default_factory=list)
     all_to_all_by_size: list[list[float]] = field(default_factory=list)
     all_gather_gbps: float | None = None
-    # What sharding costs beyond its bytes (measured on gloo, scripts/bench_ops_sharded.py); None: the bytes'
+    # What sharding costs beyond its bytes (measured on gloo, scripts/bench/ops_sharded.py); None: the bytes'
     # model (collectives by size, overlapped with compute on a GPU)
     zero3_unit_s: list[float] | None = None  # [forward, backward] seconds per FSDP2 unit per call
     zero3_s_per_byte: list[float] | None = None  # [forward, backward] seconds per byte of a unit's parameters

@@ -1,7 +1,7 @@
 """`model.random_init`: how a rank fills its tensors when no `model.path` is given.
 
 `exact` (the default) replays the single-process build's random stream on the CPU, one full tensor at a time,
-and keeps the rank's part (models/materialize.py): the model is bit-for-bit `torch.manual_seed(model.init_seed);
+and keeps the rank's part (models/weights/materialize.py): the model is bit-for-bit `torch.manual_seed(model.init_seed);
 TextModel(config)` in every layout, which the parity tests need. Its cost is the whole stage's random-number
 generation on every rank's CPU, whatever the layout: 54 s for the 3B text stage on this project's 2-core
 machine, and it grows with the model (the 72B's text stage is 23x the 3B's), on every rank at once.
@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dhp.models.materialize import _WRITERS, InitRecipe, Write, fill_parts, replay
+from dhp.models.weights.materialize import _WRITERS, InitRecipe, Write, fill_parts, replay
 
 
 class RandomInit(ABC):
@@ -81,7 +81,7 @@ def _seed(seed: int, name: str, idx: Any) -> int:
 
 def _part(episode: list[Write], idx: Any, seed: int, device: torch.device) -> torch.Tensor:
     """The writes of one tensor performed on the part `idx` of it (None: the whole), on `device`."""
-    from dhp.models.tensor_parts import read_part
+    from dhp.models.parallel.tensor_parts import read_part
 
     first = episode[0]
     if first.op is None:  # created with real values (ones, zeros): their part

@@ -18,7 +18,7 @@ answered by its layout object, so a new mode is one subclass in one file plus it
     `rank_grads(grads)`             the per-rank gradients of those outputs on the way back
   worker time (inside the pool's process groups, `PoolRanks`)
     `apply(model, ranks)`           parallelize the stage's module in place (torchtitan's `parallelize`);
-                                    workers apply it to a `meta` model (models/materialize.py)
+                                    workers apply it to a `meta` model (models/weights/materialize.py)
     `materialize(model, device)`    allocate what this rank holds after `apply` (values: loaded or replayed)
     `slicer(rank, full_shapes)`     name -> index of this rank's part of a full tensor (None: whole); the
                                     same answer serves checkpoint loading, materialisation and export
@@ -29,7 +29,7 @@ answered by its layout object, so a new mode is one subclass in one file plus it
     `reports_grad_norm(ranks, p)`   whether this rank counts parameter p's gradient in the global norm
     `vision_forward(...)`           the vision encoder's forward on this rank's inputs
     `gather(local_states)`          full tensors from the `state_ranks`' local states (export, checkpoints)
-  time (the step-time model, models/time_model.py)
+  time (the step-time model, models/planning/time_model.py)
     `work_shards`                   ranks one replica's matrix work is split over (SP, TP: degree)
     `width_shards`                  ranks a matmul's width is split over (TP: degree): narrower matmuls
     `vit_collective`, `vit_collectives(s)`  the ViT's activation collective and how many run each way
@@ -37,7 +37,7 @@ answered by its layout object, so a new mode is one subclass in one file plus it
     `state_numel(full_shapes, rank)` elements of parameters this rank holds; `optimizer_fraction`
     `vit_comm_bytes / vit_grad_sync_bytes / vit_activation_bytes`  the ViT formulas (docs/layouts.md)
 
-`models/layouts.py` maps a layout name to its class; nothing else compares layout names.
+`models/parallel/layouts.py` maps a layout name to its class; nothing else compares layout names.
 See docs/architecture.md for the walk-through and the example to copy.
 """
 
@@ -201,8 +201,8 @@ class Layout:
         """Parallelize `model` (identical on every rank) in place; build the optimizer afterwards."""
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
-        """Allocate the laid-out meta parameters (models/materialize.py); values come after (load or init)."""
-        from dhp.models.materialize import materialize_params
+        """Allocate the laid-out meta parameters (models/weights/materialize.py); values come after (load or init)."""
+        from dhp.models.weights.materialize import materialize_params
 
         materialize_params(model, device)
 

@@ -7,7 +7,7 @@ This is the base behaviour of `Layout`; the class exists so that every name maps
 
 from __future__ import annotations
 
-from dhp.models.layout import Layout
+from dhp.models.parallel.layout import Layout
 
 
 class DataParallel(Layout):

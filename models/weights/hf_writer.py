@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from dhp.models.weights import INDEX_FILE
+from dhp.models.weights.hf_checkpoint import INDEX_FILE
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' default
 CHUNK_BYTES = 16 * 2**20  # reading a strided part: rows at a time through a buffer this large

@@ -1,24 +1,24 @@
-"""The one place that maps a layout name to its class (models/layout.py says what a layout answers).
+"""The one place that maps a layout name to its class (models/parallel/layout.py says what a layout answers).
 
 | stage  | `parallelism` | class                   | file                            |
 |--------|---------------|-------------------------|---------------------------------|
-| both   | `none`        | `DataParallel`          | models/data_parallel.py         |
-| vision | `sequence`    | `SequenceParallel`      | models/sequence_parallel.py     |
-| vision | `tensor`      | `VisionTensorParallel`  | models/vision_tensor_parallel.py|
-| text   | `tensor`      | `TensorParallel`        | models/tensor_parallel.py       |
-| both   | `zero3`       | `Zero3`                 | models/zero3.py                 |
+| both   | `none`        | `DataParallel`          | models/parallel/data_parallel.py         |
+| vision | `sequence`    | `SequenceParallel`      | models/parallel/sequence_parallel.py     |
+| vision | `tensor`      | `VisionTensorParallel`  | models/parallel/vision_tensor_parallel.py|
+| text   | `tensor`      | `TensorParallel`        | models/parallel/tensor_parallel.py       |
+| both   | `zero3`       | `Zero3`                 | models/parallel/zero3.py                 |
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dhp.models.data_parallel import DataParallel
-from dhp.models.layout import Layout
-from dhp.models.sequence_parallel import SequenceParallel
-from dhp.models.tensor_parallel import TensorParallel
-from dhp.models.vision_tensor_parallel import VisionTensorParallel
-from dhp.models.zero3 import Zero3
+from dhp.models.parallel.data_parallel import DataParallel
+from dhp.models.parallel.layout import Layout
+from dhp.models.parallel.sequence_parallel import SequenceParallel
+from dhp.models.parallel.tensor_parallel import TensorParallel
+from dhp.models.parallel.vision_tensor_parallel import VisionTensorParallel
+from dhp.models.parallel.zero3 import Zero3
 
 _CLASSES: tuple[type[Layout], ...] = (DataParallel, SequenceParallel, VisionTensorParallel, TensorParallel, Zero3)
 LAYOUTS: dict[tuple[str, str], type[Layout]] = {(stage, c.name): c for c in _CLASSES for stage in c.stages}

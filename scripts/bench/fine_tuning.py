@@ -36,7 +36,7 @@ def _rank_state(worker: Any) -> dict[str, Any]:
 def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: dict) -> dict[str, Any]:
     import ray
 
-    from dhp.scripts.bench_time_model import global_batches, timed_steps
+    from dhp.scripts.bench.time_model import global_batches, timed_steps
     from dhp.stages.config import load_config
     from dhp.stages.trainer import Trainer
 
@@ -66,7 +66,7 @@ def run(quick: bool) -> dict[str, Any]:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from dhp.scripts.bench_peers import bench_config
+    from dhp.scripts.bench.peers import bench_config
     from dhp.scripts.peers.probe import image_sample, patches
 
     size = QUICK if quick else FULL

@@ -200,8 +200,8 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
     """(bytes one rank of `stage` keeps for backward at the end of a micro-batch's forward, one block's
     working set) for `size` patches (vision: the replica's, the layout divides them) or tokens (text), with
     the configured layout, precision and activation checkpointing."""
-    from dhp.models.layout import VitShape
-    from dhp.models.layouts import stage_layout
+    from dhp.models.parallel.layout import VitShape
+    from dhp.models.parallel.layouts import stage_layout
 
     s = getattr(cfg, stage)
     layout = stage_layout(cfg, stage, model_config)
@@ -234,7 +234,7 @@ def vision_graphs(cfg: Any) -> int:
 def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | None = None) -> RankPlan:
     """One rank of `stage`; `vision_patches`: patches of one vision micro-batch when known (`dhp plan
     --time`), else the most `data.microbatch_tokens` can carry (every token an image token)."""
-    from dhp.models.layouts import stage_layout
+    from dhp.models.parallel.layouts import stage_layout
     from dhp.models.precision import precision_of
 
     s = getattr(cfg, stage)
@@ -315,7 +315,7 @@ def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None,
 
 def _can_double(cfg: Any, model_config: Any, stage: str) -> bool:
     """Whether the stage's layout allows twice its degree on this model (the layout says, not its name)."""
-    from dhp.models.layouts import layout_class, make_layout
+    from dhp.models.parallel.layouts import layout_class, make_layout
 
     s = getattr(cfg, stage)
     degree = 2 * s.degree

@@ -87,7 +87,7 @@ def bench_config():
     """The tiny text stage (4 layers, the real vocabulary) behind a ViT with the released block structure at a
     quarter of its width: 16 blocks, full attention in 7 and 15 (the released 1 in 8), 16 heads, D 256 and
     I 684 (the released I/D ratio), as `dhp bench layouts` measures it."""
-    from dhp.scripts.bench_checkpointing import deep_config
+    from dhp.scripts.bench.checkpointing import deep_config
 
     config = deep_config(text_layers=4, vision_depth=16)
     v = config.vision_config
@@ -107,7 +107,7 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
             steps: int, work: Path) -> dict[str, Any]:
     import ray
 
-    from dhp.scripts.bench_time_model import global_batches
+    from dhp.scripts.bench.time_model import global_batches
     from dhp.scripts.peers.probe import image_sample, largest_fitting, patches
     from dhp.stages.config import load_config
     from dhp.stages.trainer import Trainer

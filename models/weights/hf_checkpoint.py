@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dhp.models.tensor_parts import read_part
+from dhp.models.parallel.tensor_parts import read_part
 
 INDEX_FILE = "model.safetensors.index.json"
 _LEGACY = [  # original release names -> transformers 5 names

@@ -132,7 +132,7 @@ def replay(
     made, instead of collecting them (nothing is returned then: peak memory is one full tensor, not the
     rank's whole state twice).
     """
-    from dhp.models.tensor_parts import read_part
+    from dhp.models.parallel.tensor_parts import read_part
 
     def make(episode: list[Write], names: list[str]) -> Callable[[Any], torch.Tensor]:
         first = episode[0]  # the full tensor now, kept or not: the stream needs every write

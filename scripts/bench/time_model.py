@@ -60,7 +60,7 @@ def deep_sample(root: Path, image: tuple[int, int] = IMAGE, text_layers: int = 1
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
-    from dhp.scripts.bench_checkpointing import deep_config
+    from dhp.scripts.bench.checkpointing import deep_config
 
     config = deep_config(text_layers=text_layers, vision_depth=vision_depth)
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def global_batches(sample: dict, cfg: Any, model_config: Any, per_replica: int, 
 
     from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
     from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
-    from dhp.models.layouts import stage_layout
+    from dhp.models.parallel.layouts import stage_layout
 
     vision, text = vision_inputs([sample]), text_inputs([sample], pad_id=151643)
     sp = stage_layout(cfg, "vision", model_config).loader_shards  # what the trainer gives its loaders
@@ -135,8 +135,8 @@ def run(profile_path: str | None, quick: bool, steps: int | None = None,
         configs: dict[str, list[str]] | None = None) -> dict[str, Any]:
     import ray
 
-    from dhp.models.hardware import profile as load_profile
-    from dhp.models.time_model import Workload
+    from dhp.models.planning.hardware import profile as load_profile
+    from dhp.models.planning.time_model import Workload
     from dhp.scripts.plan_time import predict, prepare
 
     started = not ray.is_initialized()
@@ -145,7 +145,7 @@ def run(profile_path: str | None, quick: bool, steps: int | None = None,
     try:
         with tempfile.TemporaryDirectory() as tmp:
             if profile_path is None:
-                from dhp.scripts.bench_ops import measure
+                from dhp.scripts.bench.ops import measure
 
                 profile_path = str(Path(tmp) / "profile.json")
                 Path(profile_path).write_text(json.dumps(measure(quick=True)))

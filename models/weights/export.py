@@ -10,7 +10,7 @@ index a rank's part has in the full tensor, as the workers use it to load). A pa
 of the output (ZeRO-3 rows, vocab-parallel rows, column-parallel rows, a fused qkv's blocks) is read straight
 into it; a strided one (row-parallel columns) a few rows at a time (`hf_writer.CHUNK_BYTES`).
 The tensor is renamed as transformers does and written into `output.max_shard_size` shards
-(models/hf_writer.py), so `from_pretrained(out)` loads it. Peak memory: the largest tensor plus 16 MiB
+(models/weights/hf_writer.py), so `from_pretrained(out)` loads it. Peak memory: the largest tensor plus 16 MiB
 (tests/test_export_streaming.py measures it), never a stage.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from transformers import Qwen2_5_VLConfig
 
-from dhp.models.hf_writer import DEFAULT_MAX_SHARD_SIZE, Entry, SafetensorsReader, write_shards
-from dhp.models.layouts import make_layout
 from dhp.models.lora import is_lora_factor
+from dhp.models.parallel.layouts import make_layout
+from dhp.models.parallel.tensor_parts import part_blocks
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.models.tensor_parts import part_blocks
-from dhp.models.weights import checkpoint_index
+from dhp.models.weights.hf_checkpoint import checkpoint_index
+from dhp.models.weights.hf_writer import DEFAULT_MAX_SHARD_SIZE, Entry, SafetensorsReader, write_shards
 
 META = "dhp_checkpoint.json"
 HF_NAME = {"vision": VisionModel.hf_name, "text": TextModel.hf_name}

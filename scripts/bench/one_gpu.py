@@ -148,7 +148,7 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
     median bubble and the boundary's seconds per micro-batch over the measured steps."""
     import ray
 
-    from dhp.scripts.bench_time_model import global_batches, timed_steps
+    from dhp.scripts.bench.time_model import global_batches, timed_steps
     from dhp.stages.run_log import peak_of
     from dhp.stages.trace import boundary_seconds
     from dhp.stages.trainer import Trainer
@@ -259,7 +259,7 @@ def choose_precision(base: str, settings: list[str], mc: Any, patches: int, devi
     of the run), else pure bf16: fp32 master weights take 16 bytes a parameter, 60 GB for the 3B's 3.75 B, too
     much beside 16 k-patch activations on an 80 GB GPU. Raises when not even bf16 fits (a bench that would run
     out of memory on the device after spending its time). No device (CPU): the preset's."""
-    from dhp.models.memory_plan import GIB, plan
+    from dhp.models.planning.memory_plan import GIB, plan
     from dhp.stages.config import load_config
 
     if asked or device_gib is None:
@@ -285,7 +285,7 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
     import ray
     import torch
 
-    from dhp.models.memory_plan import plan
+    from dhp.models.planning.memory_plan import plan
     from dhp.scripts.peers.probe import image_sample, patches
     from dhp.stages.config import load_config
     from dhp.stages.run_log import throughput

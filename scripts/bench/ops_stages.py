@@ -35,9 +35,9 @@ MICROBATCHES = 2
 
 def _prediction(model_config: Any, sample: dict, prof_raw: dict[str, Any]) -> dict[str, float]:
     """The op model's compute seconds of the three calls for this sample, before any efficiency."""
-    from dhp.models.hardware import from_measurement
-    from dhp.models.time_model import Workload, text_call, vision_calls
-    from dhp.scripts.bench_time_model import BASE
+    from dhp.models.planning.hardware import from_measurement
+    from dhp.models.planning.time_model import Workload, text_call, vision_calls
+    from dhp.scripts.bench.time_model import BASE
     from dhp.stages.config import load_config
 
     prof = from_measurement({**prof_raw, "efficiency": {}}, "bench ops (in progress)")
@@ -93,7 +93,7 @@ def _time_steps(model_config: Any, sample: dict, steps: int) -> tuple[dict[str, 
 def measure_stages(prof_raw: dict[str, Any], quick: bool) -> dict[str, Any]:
     """{"efficiency": {vision_forward, vision_backward, text}, "optimizer_s_per_param", "notes"} for a CPU
     profile whose op rates are `prof_raw`; torch must already run one thread (as `measure` sets it)."""
-    from dhp.scripts.bench_time_model import deep_sample
+    from dhp.scripts.bench.time_model import deep_sample
 
     with tempfile.TemporaryDirectory() as tmp:
         model_config, _, sample = deep_sample(Path(tmp), image=IMAGE, text_layers=TEXT_LAYERS, vision_depth=DEPTH,

@@ -43,7 +43,7 @@ boundary ordinary. Parity is exact up to fp32 summation order (see tests/test_te
 Checkpoints: `tp_slice(name, rank, tp, config)` gives the index of rank r's slice of a full tensor
 (`safe_open(...).get_slice(name)[idx]` reads only that), `shard_state_dict_for_rank` applies it to a
 full state dict and `gather_full_state_dict` reassembles full tensors from every rank's local dict
-(models/tensor_parts.py does the indexing).
+(models/parallel/tensor_parts.py does the indexing).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dhp.models.layout import Layout, PoolRanks
+from dhp.models.parallel.layout import Layout, PoolRanks
+from dhp.models.parallel.tensor_parts import gather_sliced, shard_sliced
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
-from dhp.models.tensor_parts import gather_sliced, shard_sliced
 
 _COLUMN = re.compile(r"\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")

@@ -55,14 +55,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dhp.models.fine_tuning import FineTuning
-from dhp.models.hardware import Profile
 from dhp.models.lora import is_lora_factor
-from dhp.models.memory_plan import held_numel, held_numels, stage_shapes, text_activations
+from dhp.models.planning.hardware import Profile
+from dhp.models.planning.memory_plan import held_numel, held_numels, stage_shapes, text_activations
 
 VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attention, proj, MLP, residuals)
 TEXT_LAYER_OPS = 36  # per decoder layer forward (fp32 RMSNorms are several kernels each)
 BACKWARD_OPS = 2  # backward kernels per forward kernel
-# The parts a real module's speed stands behind (what `dhp bench ops` times on real stages, scripts/bench_ops_stages.py)
+# The parts a real module's speed stands behind (what `dhp bench ops` times on real stages, scripts/bench/ops_stages.py)
 COMPUTE_PARTS = ("linear", "window_attention", "full_attention", "attention", "lm_head", "kernels", "memory",
                  "recompute")
 
@@ -113,7 +113,7 @@ def _recomputed_share(s: Any, blocks: int) -> float:
 
 
 def _bytes(cfg: Any, stage: str) -> int:
-    from dhp.models.memory_plan import activation_bytes_per_element
+    from dhp.models.planning.memory_plan import activation_bytes_per_element
 
     return activation_bytes_per_element(cfg, stage)
 
@@ -124,9 +124,9 @@ def _window_patches(vc: Any) -> int:
 
 def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCost, CallCost]:
     """(forward, backward) of one vision micro-batch on one rank."""
-    from dhp.models import flops
-    from dhp.models.layout import VitShape
-    from dhp.models.layouts import stage_layout
+    from dhp.models.parallel.layout import VitShape
+    from dhp.models.parallel.layouts import stage_layout
+    from dhp.models.planning import flops
 
     vc, s = mc.vision_config, cfg.vision
     layout = stage_layout(cfg, "vision", mc)
@@ -193,8 +193,8 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
 
 def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
     """One text forward + backward on one rank."""
-    from dhp.models import flops
-    from dhp.models.layouts import stage_layout
+    from dhp.models.parallel.layouts import stage_layout
+    from dhp.models.planning import flops
 
     tc, s = mc.text_config, cfg.text
     layout = stage_layout(cfg, "text", mc)
@@ -310,7 +310,7 @@ def _numel(mc: Any, stage: str) -> int:
 
 def step_extras(cfg: Any, mc: Any, prof: Profile, stage: str) -> dict[str, float]:
     """Once per step on one rank of `stage`: gradient sync of data-parallel copies, the AdamW step."""
-    from dhp.models.layouts import stage_layout
+    from dhp.models.parallel.layouts import stage_layout
     from dhp.models.precision import precision_of
 
     layout = stage_layout(cfg, stage, mc)
@@ -349,7 +349,7 @@ def _devices(cfg: Any, prof: Profile) -> tuple[Any, Any]:
 def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     """The predicted step: seconds, its parts (per pool, per micro-batch call and per step), the simulated
     makespan and bubble, vision tokens/s."""
-    from dhp.models.layouts import stage_layout
+    from dhp.models.parallel.layouts import stage_layout
     from dhp.stages.pools import replicas
     from dhp.stages.routing import route, simulate_calls
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dhp.models.layout import NOT_SHARDED, SKIP_SYNC, Layout, PoolRanks, VitShape
+from dhp.models.parallel.layout import NOT_SHARDED, SKIP_SYNC, Layout, PoolRanks, VitShape
 
 
 def apply_zero3(model: nn.Module, units: Iterable[nn.Module], world_size: int, device: torch.device) -> None:
@@ -116,7 +116,7 @@ class Zero3(Layout):
         apply_zero3(model, model.shard_units(), ranks.world_size, ranks.device)
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
-        from dhp.models.materialize import materialize_sharded
+        from dhp.models.weights.materialize import materialize_sharded
 
         materialize_sharded(model, device)
 

@@ -10,7 +10,7 @@ the bytes of a checkpoint (every rank's tensors and optimizer share).
 
 Measured rows (peak_rss_bytes, build_s): one fresh process per row builds and loads one rank's shard from a
 real-format checkpoint — safetensors in bf16 at the released shape with random values, written here first
-(streamed, models/hf_writer.py) — through the workers' own code (models/stage_build.py, with a fake process
+(streamed, models/weights/hf_writer.py) — through the workers' own code (models/stage_build.py, with a fake process
 group standing in for the other ranks), and reports its peak RSS. The goal of issue 12:
 peak_rss <= 1.25 x (held after setup + largest tensor) + 1.5 GiB, recorded per row as `goal_rss_bytes`.
 `--quick` does the same on the tiny shape (what the tests run).
@@ -49,7 +49,7 @@ QUICK_MEASURED = [("tiny", "text", "tensor", 2), ("tiny", "vision", "sequence", 
 def full_shapes(model: str, stage: str) -> dict[str, tuple[int, ...]]:
     """Every tensor's full shape, from a build on the meta device; tied tensors once."""
     from dhp.models.architectures import architecture_config
-    from dhp.models.memory_plan import full_shapes as shapes_of
+    from dhp.models.planning.memory_plan import full_shapes as shapes_of
 
     return shapes_of(architecture_config(model), stage)
 
@@ -57,8 +57,8 @@ def full_shapes(model: str, stage: str) -> dict[str, tuple[int, ...]]:
 def computed_row(model: str, stage: str, layout: str, degree: int, num_actors: int, precision: str,
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     from dhp.models.architectures import architecture_config
-    from dhp.models.layouts import make_layout
-    from dhp.models.memory_plan import model_state_bytes
+    from dhp.models.parallel.layouts import make_layout
+    from dhp.models.planning.memory_plan import model_state_bytes
     from dhp.models.precision import precision_of
 
     lay = make_layout(stage, layout, degree, num_actors, architecture_config(model))
@@ -82,8 +82,8 @@ def write_checkpoint(model: str, out: Path) -> None:
     import torch
 
     from dhp.models.architectures import architecture_config
-    from dhp.models.hf_writer import Entry, write_shards
     from dhp.models.qwen2_5_vl import TextModel, VisionModel
+    from dhp.models.weights.hf_writer import Entry, write_shards
 
     config = architecture_config(model)
     entries = []
@@ -110,7 +110,7 @@ def run(quick: bool, measure: bool, checkpoint_dir: str | None) -> list[dict[str
     from tqdm import tqdm
 
     from dhp.models.architectures import architecture_config
-    from dhp.models.layouts import make_layout
+    from dhp.models.parallel.layouts import make_layout
 
     shapes_of = ("tiny",) if quick else SHAPES
     layouts = QUICK_LAYOUTS if quick else LAYOUTS

@@ -47,7 +47,7 @@ Fields:
                        128 MiB; a mid-size message costs more than latency + bytes / bandwidth (gloo: ~2 ms at
                        100 KiB), and a model reads its message sizes from these
     zero3_unit_s, zero3_s_per_byte, zero3_optimizer_s_per_tensor, zero1_step_s_per_tensor  what FSDP2 and
-                       ZeRO-1 cost beyond their collectives' bytes, on 2 gloo ranks (scripts/bench_ops_sharded.py);
+                       ZeRO-1 cost beyond their collectives' bytes, on 2 gloo ranks (scripts/bench/ops_sharded.py);
                        null on a GPU
     h2d_gbps           GPU: pinned host -> device copy of 256 MiB; CPU: memory_gbps / 2 (a host copy, per direction)
     object_store_gbps  bytes / (ray.put in the driver + ray.get in an actor, with its host copy) of a float32 tensor
@@ -55,7 +55,7 @@ Fields:
     call_latency_s     round trip of `ray.get(actor.noop.remote())` (median)
     efficiency         {"matmul": 1.0, "attention": 1.0, "comm": 1.0}: a measured profile needs no fitted factor;
                        CPU: also vision_forward, vision_backward, text: the op model's compute for a reference
-                       stage's call / the call measured on transformers' modules (scripts/bench_ops_stages.py)
+                       stage's call / the call measured on transformers' modules (scripts/bench/ops_stages.py)
     notes              what was not measured and why, and how a field was derived
     quick              whether --quick sizes were used
     torch              torch.__version__
@@ -342,7 +342,7 @@ def _collective_worker(rank: int, ranks: int, port: int, backend: str, nbytes: i
     try:
         result = _collectives(rank, ranks, device, nbytes, quick)
         if backend == "gloo":  # GPU: NCCL's FSDP2 overlaps its prefetch; the datasheet model stands there
-            from dhp.scripts.bench_ops_sharded import measure_sharded
+            from dhp.scripts.bench.ops_sharded import measure_sharded
 
             sharded = measure_sharded(ranks, quick)
             result["notes"] += sharded.pop("notes")
@@ -522,7 +522,7 @@ def measure(quick: bool) -> dict[str, Any]:
         profile["notes"].append("efficiency.vision_forward/vision_backward/text: not measured on a GPU (the "
                                 "reference stage's tiny widths are launch-bound there)")
     else:
-        from dhp.scripts.bench_ops_stages import measure_stages
+        from dhp.scripts.bench.ops_stages import measure_stages
 
         torch.set_num_threads(1)
         try:

@@ -16,12 +16,12 @@ autocast); gradient/parameter sync is always fp32 (GRAD_BYTES): dhp keeps fp32 m
 gradients, ZeRO-1 broadcasts and FSDP2 gathers (no mixed-precision policy) are fp32.
 
 Layouts:
-  sequence  window-aware Ulysses SP (`models/sequence_parallel.py`): all-to-all #1 (q/k/v, 3*S_r*D) and
+  sequence  window-aware Ulysses SP (`models/parallel/sequence_parallel.py`): all-to-all #1 (q/k/v, 3*S_r*D) and
             #2 (S_r*D) in each full-attention block, forward and backward, then the all-gather of the
             merged shards (its backward has no collective). Optimizer: ZeRO-1 as torch's
             ZeroRedundancyOptimizer does it = all-reduce of every ViT gradient + broadcast of each
             rank's parameter share = 3 * (N-1)/N * params.
-  tensor    dhp's Megatron TP ViT (`models/vision_tensor_parallel.py`): all-reduces forward 2 per block of
+  tensor    dhp's Megatron TP ViT (`models/parallel/vision_tensor_parallel.py`): all-reduces forward 2 per block of
             [P, D] + 1 of [P/4, O] (merger), backward 1 of [P/4, 4D] + 2 per block of [P, D]; the row-
             parallel biases are added after the reduce, replicated. Activations: the norms (x, rsqrt,
             x*rsqrt, output), cos/sin, pixels, the merger's ln_q stay full; q_rot, k_rot, the qkv output (v is
@@ -32,7 +32,7 @@ Layouts:
             replicas only). Degree N must divide heads (16), MLP (3420) and 4D (`check_vision_tp_degree`):
             the real shape splits 1, 2 or 4 ways, NOT 8 (3420 % 8 = 4): those rows carry `feasible: false`,
             a `note`, the formula as if the MLP split evenly, and no longest-fitting sequence.
-  zero3     data parallel with FSDP2 (`models/zero3.py`): every block, the merger and the root reshard after
+  zero3     data parallel with FSDP2 (`models/parallel/zero3.py`): every block, the merger and the root reshard after
             forward, so each unit's parameters are all-gathered in forward and again in backward and its
             gradients reduce-scattered: 3 * (N-1)/N * params, each parameter padded to a multiple of N rows
             (FSDP2's dim-0 shards). No activation collective; each rank keeps the full-sequence
@@ -50,7 +50,7 @@ saved tensors by saved_tensors_hooks). Degree 8 is not measured: 8 ranks on this
 +-15% of every count, else the script exits 1. `--plot` (default: the --json path with .png) draws comm and
 activations of the real shape and the formula/measured ratios.
 Usage: dhp bench layouts [--json PATH] [--quick] [--budget-gib 40]
-       python -m dhp.scripts.bench_layouts [--json PATH] [--plot PNG] [--quick] [--budget-gib 40]
+       python -m dhp.scripts.bench.layouts [--json PATH] [--plot PNG] [--quick] [--budget-gib 40]
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ import types
 
 import torch
 
-from dhp.models.layout import Layout, VitShape
-from dhp.models.layouts import layout_class
+from dhp.models.parallel.layout import Layout, VitShape
+from dhp.models.parallel.layouts import layout_class
 from dhp.scripts.layout_counts import MEASURED_VISION, REAL_VISION, VISION_COMMON, measure, measure_none
 
 FORMULA_SEQ = [1024, 4096, 16384, 65536]
@@ -75,7 +75,7 @@ GRAD_BYTES = 4  # fp32 master parameters: gradients, ZeRO-1 broadcasts, FSDP2 ga
 KEYS = ("comm_bytes_per_rank", "grad_sync_bytes_per_rank", "activation_bytes_per_rank")
 
 
-Shape = VitShape  # the ViT dimensions the formulas read (models/layout.py)
+Shape = VitShape  # the ViT dimensions the formulas read (models/parallel/layout.py)
 
 
 def vision_layout(layout: str, n: int) -> Layout:
