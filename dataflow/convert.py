@@ -34,7 +34,7 @@ from pyarrow import fs as pafs
 
 from dhp.dataflow.json_stream import JsonStream
 from dhp.dataflow.storage import filesystem
-from dhp.stages.config import ConfigError
+from dhp.errors import ConfigError
 
 PLACEHOLDER = "<image>"  # = preprocess.IMAGE_PLACEHOLDER; not imported from there because that pulls in torch
 DEFAULT_PROMPT = PLACEHOLDER + "\nDescribe this image."

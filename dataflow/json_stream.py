@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from dhp.stages.config import ConfigError
+from dhp.errors import ConfigError
 
 _NUMBER_TAIL = re.compile(r"[0-9+\-.eE]*\Z")
 

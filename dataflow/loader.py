@@ -6,7 +6,8 @@ JSONL annotation files or WebDataset shards (`dataflow/sources.py` decides, `dat
 and which of them a stream reads, and from where, is `dataflow/positions.py`'s. A
 `BatchLoader` actor drives the stream, packs each global batch into token-budget micro-batches and
 `ray.put`s the vision part and the text part separately, so the driver receives only object references
-and scalar metadata (invariant 3): the vision pool is handed the vision refs, the text pool the text refs.
+and scalar metadata (docs/design.md, invariant 3): the vision pool is handed the vision refs, the text pool
+the text refs.
 
 Nothing materializes a dataset: `iter_rows` streams, so memory is Ray Data's pipeline buffers plus the
 one global batch being packed here, whatever the dataset's size. The one unit held whole is an
@@ -131,7 +132,7 @@ def build_dataset(
 
 
 class BatchLoader:
-    """Ray actor owning one stream of global batches: one per text replica (stages/routing.py). Made by
+    """Ray actor owning one stream of global batches: one per text replica (models/parallel/routing.py). Made by
     `loader_actor`: its `probe` thread answers `position` while the stream's own calls run one at a time."""
 
     def __init__(

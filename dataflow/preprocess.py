@@ -30,7 +30,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from dhp.dataflow.storage import filesystem, is_uri, resolve, scheme_of
-from dhp.stages.config import one_line
+from dhp.errors import one_line
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"

@@ -26,7 +26,7 @@ from typing import Any
 from dhp.dataflow.positions import own_rows
 from dhp.dataflow.storage import filesystem, is_uri
 from dhp.dataflow.webdataset import split_shard
-from dhp.stages.config import ConfigError
+from dhp.errors import ConfigError
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(\d+)\.\.(\d+)$")

@@ -22,7 +22,7 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
-from dhp.stages.config import ConfigError, one_line
+from dhp.errors import ConfigError, one_line
 
 
 @dataclass(frozen=True)

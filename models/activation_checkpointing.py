@@ -10,7 +10,7 @@ Ulysses loop), it asks `maybe_checkpoint` for each block.
 
 Collectives inside a recomputed block (TP all-reduces, Ulysses all-to-alls) run again during backward.
 Every rank of a group checkpoints the same blocks (the setting is per pool) and backward visits them in the
-same reverse order on every rank, so the recomputed collectives match (invariant 2), a rank holding no
+same reverse order on every rank, so the recomputed collectives match (docs/design.md, invariant 2), a rank holding no
 patches included: it recomputes its empty block and joins.
 
 | `activation_checkpointing` | blocks recomputed | saved per block |

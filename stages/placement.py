@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from dhp.models.parallel.checks import replicas
 from dhp.stages.config import Config, ConfigError, StageConfig
 from dhp.stages.placement_modes import PlacementMode, PoolRequest
-from dhp.stages.pools import replicas
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A pool is `dp x degree` actors: data-parallel replica i is actors [i*degree, (i+1)*degree), its ranks
 working on one micro-batch at a time (sequence- or tensor-parallel inside the replica). The two pools'
 replica counts are independent: each text replica has its own sample stream and any vision replica may
-encode any of its micro-batches (stages/routing.py). Every reference returned here can be handed
+encode any of its micro-batches (models/parallel/routing.py). Every reference returned here can be handed
 straight to the other pool: Ray moves the tensor actor to actor, the driver never fetches it.
 
 Which transfer path a boundary tensor takes (the merged vision tokens [N, D] and their gradient):
@@ -15,7 +15,8 @@ Which transfer path a boundary tensor takes (the merged vision tokens [N, D] and
   device-to-host and one host-to-device copy. `pipeline.boundary=cuda_ipc` keeps them on the GPU when the
   two pools share one (Ray Direct Transport's CUDA IPC: the receiver maps the sender's memory). Ray's
   collective transports (gloo, NCCL) are not used: they run on the actor's *default* process group
-  (DESIGN.md §6), which here is the pool's own world, so they cannot link a vision actor to a text actor.
+  (docs/design.md, "Facts about CPU machines and GPU machines the code relies on"), which here is the
+  pool's own world, so they cannot link a vision actor to a text actor.
   Which calls cross and with which Ray transport: `_crossing` below; the transport itself: stages/boundary.py.
 """
 
@@ -28,71 +29,11 @@ import ray
 from dhp.models.parallel.layout import Layout
 from dhp.stages.actor_group import ActorGroup
 from dhp.stages.boundary import HostTransport, Transport
-from dhp.stages.config import Config, ConfigError
-
-
-def replicas(cfg: Config, stage: str) -> int:
-    """Data-parallel replicas of a pool: its actors / its degree (the text pool's = sample streams)."""
-    s = getattr(cfg, stage)
-    return s.num_actors // s.degree
-
-
-def check_layout(cfg: Config, model_config=None) -> None:
-    """Refuse, before anything starts, layouts that cannot run, saying what would.
-
-    Each layout class says what it needs (`check_degree`; with the model's config, `check_shape`: vision
-    heads divisible by the SP degree, text heads / KV heads / vocabulary splittable by the TP degree).
-    The replica counts are free (fan-out and fan-in, routing.py) except where a lockstep text pool needs
-    more vision forwards alive than `pipeline.max_in_flight` allows (`routing.check_fan`).
-    """
-    from dhp.models.fine_tuning import FineTuning
-    from dhp.models.parallel.layouts import layout_class, stage_layout
-    from dhp.models.weights.random_init import random_init
-    from dhp.stages.routing import check_fan
-
-    ft = FineTuning(cfg)
-    if ft.lora is not None and not layout_class("text", cfg.text.parallelism).takes_lora:
-        raise ConfigError(f"text.train=lora is not available with text.parallelism={cfg.text.parallelism}: "
-                          f"use none or tensor")
-    frozen = [f"{stage}.train={getattr(cfg, stage).train}" for stage in ("vision", "text") if ft.partial(stage)]
-    if frozen and not cfg.model.path and not random_init(cfg.model.random_init).same_in_every_layout:
-        raise ConfigError(f"model.random_init={cfg.model.random_init} cannot be the frozen base of "
-                          f"{', '.join(frozen)}: a checkpoint holds only what trains and the base is rebuilt at "
-                          f"resume, which this init does not do the same under another layout or device; use "
-                          f"model.random_init=exact or model.path")
-    for stage in ("vision", "text"):
-        s = getattr(cfg, stage)
-        try:
-            why = layout_class(stage, s.parallelism).check_degree(stage, s.degree)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if why:
-            raise ConfigError(why)
-    dp_v, dp_t = replicas(cfg, "vision"), replicas(cfg, "text")
-    if model_config is not None:
-        try:
-            for stage in ("vision", "text"):
-                stage_layout(cfg, stage, model_config).check_shape(model_config)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    lockstep = {stage: layout_class(stage, getattr(cfg, stage).parallelism).lockstep for stage in ("vision", "text")}
-    why = check_fan(dp_v, dp_t, lockstep["vision"], lockstep["text"], cfg.pipeline.max_in_flight)
-    if why:
-        raise ConfigError(why)
-    why = cfg.pipeline.transport.check(cfg)
-    if why:
-        raise ConfigError(why)
-    if cfg.training.global_batch_size % dp_t:
-        raise ConfigError(
-            f"training.global_batch_size={cfg.training.global_batch_size} is not divisible by the {dp_t} text "
-            f"replicas (text.num_actors {cfg.text.num_actors} / text.degree {cfg.text.degree}), which each take "
-            f"an equal share: e.g. training.global_batch_size={max(1, cfg.training.global_batch_size // dp_t) * dp_t}"
-        )
 
 
 class StagePool(ActorGroup):
     """A lockstep layout (`layout.lockstep`, ZeRO-3) needs every replica to run every call (its collectives
-    span all ranks): the routing (stages/routing.py) pads its calls with `None` micro-batches, which only
+    span all ranks): the routing (models/parallel/routing.py) pads its calls with `None` micro-batches, which only
     such a pool acts on. Which ranks run a call and whose output crosses the boundary is the layout's answer."""
 
     layout: Layout  # the stage's layout object, set by the trainer

@@ -24,16 +24,17 @@ from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.models.architectures import architecture_config
 from dhp.models.fine_tuning import FineTuning
+from dhp.models.parallel.checks import check_layout, replicas
 from dhp.models.parallel.layouts import stage_layout
+from dhp.models.parallel.routing import route
+from dhp.models.parallel.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
 from dhp.models.weights.export import export_hf, write_meta
 from dhp.stages.actor_group import CallLedger
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, save_config
 from dhp.stages.placement import LOADER_CPUS, check_resources, describe, place_pools
-from dhp.stages.pools import TextPool, VisionPool, check_layout, replicas
+from dhp.stages.pools import TextPool, VisionPool
 from dhp.stages.resume_checks import check_positions, check_resumable
-from dhp.stages.routing import route
-from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
 from dhp.stages.stage_worker import clip_coefficient
 from dhp.stages.text_worker import TextWorker
 from dhp.stages.trace import STEP_TAIL, busy_fractions, with_ray_transfers, write_chrome_trace

@@ -54,8 +54,8 @@ def test_quick_bench_runs_every_system_under_its_cap(ray_session, tmp_path):
 def test_on_gpus_every_system_takes_one_gpu_per_rank():
     """What `dhp bench peers` asks of a GPU machine, checked without one: nothing on a CPU, vision and text actor r
     sharing GPU r, and N > GPUs refused up front (NCCL would refuse it at the first collective)."""
+    from dhp.models.parallel.checks import check_layout
     from dhp.stages.config import load_config
-    from dhp.stages.pools import check_layout
 
     assert gpu_settings(4, 0) == []
     with pytest.raises(ValueError, match="--ranks 4 needs 4 GPUs .* has 1: pass --ranks 1"):

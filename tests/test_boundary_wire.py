@@ -78,8 +78,8 @@ def test_a_transport_delivers_the_values_in_memory_of_the_receivers_own(name):
 def test_cuda_ipc_needs_both_pools_on_one_gpu():
     """CUDA IPC maps memory only between actors Ray gave the same GPU: the one shared-GPU layout passes, the CPU
     default and a layout across GPUs are refused before anything starts, saying what would run."""
+    from dhp.models.parallel.checks import check_layout
     from dhp.stages.config import ConfigError, load_config
-    from dhp.stages.pools import check_layout
 
     one_gpu = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1", "vision.num_gpus_per_actor=0.5",
                "text.parallelism=none", "text.num_actors=1", "text.degree=1", "text.num_gpus_per_actor=0.5",

@@ -1,6 +1,6 @@
 """Fine-tuning modes (models/fine_tuning.py): what trains and each module's LR and weight decay.
 
-Parity (issue 19, items 1-2): every mode in the mission's sp2 / tp2 layout, the uniform tp2 / tp2 baseline and
+Parity: every mode in the default sp2 / tp2 layout, the uniform tp2 / tp2 baseline and
 ZeRO-3 trains exactly like the single-process transformers model with the same `requires_grad` choices and
 a reference AdamW with the same groups (tests/test_parity.py's check, which compares losses, gradients, clip
 norms, per-module LRs and parameters). Every case sets different LRs and weight decays for the ViT blocks,
@@ -83,7 +83,7 @@ def test_fine_tuning_matches_transformers(parity_setup, ray_session, tmp_path, l
     (["vision.merger_lr_scale=0"], "vision.merger_lr_scale must be > 0"),
 ])
 def test_rejected_choices_fail_at_start(overrides, message):
-    from dhp.stages.pools import check_layout
+    from dhp.models.parallel.checks import check_layout
 
     with pytest.raises(ConfigError, match=message):
         check_layout(load_config("tiny", overrides))

@@ -21,7 +21,7 @@ LORA = ["text.train=lora", "text.lora.rank=4", "text.lora.alpha=8", "text.lora.d
         "text.lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "training.max_grad_norm=0.1"]
 CASES = {
     "1v1t": ([], [[[0], [1], [2]]]),
-    # the mission layout, the ViT training too: text rank 0 sends the embedding gradient back, rank 1 does not
+    # the default layout, the ViT training too: text rank 0 sends the embedding gradient back, rank 1 does not
     "sp2-tp2": (SP2 + TP2, [[[0, 1], [2]]]),
     # TP 4 over 2 KV heads: each head's k/v rows (and their B) held by two ranks, summed over those two
     "tp4-frozen-vit": (["text.parallelism=tensor", "text.num_actors=4", "text.degree=4", "vision.train=none"],
@@ -89,7 +89,7 @@ def test_lora_matches_peft(parity_setup, ray_session, tmp_path, case):
     (["text.lora.targets= ,"], "text.lora.targets names no layer"),
 ])
 def test_lora_rejects_what_cannot_run(overrides, message):
-    from dhp.stages.pools import check_layout
+    from dhp.models.parallel.checks import check_layout
 
     with pytest.raises(ConfigError, match=message):
         check_layout(load_config("tiny", ["text.train=lora", *overrides]))

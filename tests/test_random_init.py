@@ -137,8 +137,8 @@ def test_a_partial_checkpoint_resumes_only_onto_the_init_it_was_trained_on():
 @pytest.mark.parametrize("frozen", ["text.train=lora", "vision.train=merger", "text.train=none"])
 def test_per_part_is_refused_as_a_frozen_base(frozen):
     """Its values follow the layout and the device, and a partial checkpoint's base is rebuilt at resume."""
+    from dhp.models.parallel.checks import check_layout
     from dhp.stages.config import ConfigError
-    from dhp.stages.pools import check_layout
 
     with pytest.raises(ConfigError, match=f"model.random_init=per_part cannot be the frozen base of {frozen}"):
         check_layout(load_config("tiny", ["model.random_init=per_part", frozen]))

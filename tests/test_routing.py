@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from dhp.stages.routing import check_fan, route, simulate_calls
-from dhp.stages.schedule import TEXT_FORWARD_BACKWARD, VISION_BACKWARD, VISION_FORWARD
+from dhp.models.parallel.routing import check_fan, route, simulate_calls
+from dhp.models.parallel.schedule import TEXT_FORWARD_BACKWARD, VISION_BACKWARD, VISION_FORWARD
 
 
 def check(calls, patches, dv, vision_lockstep, text_lockstep, k):
@@ -89,8 +89,8 @@ def test_more_vision_replicas_shorten_a_vision_bound_step():
 
 def test_check_layout_takes_any_fan_and_refuses_what_cannot_run():
     from dhp.models.architectures import architecture_config
+    from dhp.models.parallel.checks import check_layout
     from dhp.stages.config import ConfigError, load_config
-    from dhp.stages.pools import check_layout
 
     tiny = architecture_config("tiny")
     base = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]

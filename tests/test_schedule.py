@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dhp.stages.schedule import (
+from dhp.models.parallel.schedule import (
     TEXT_FORWARD_BACKWARD,
     VISION_BACKWARD,
     VISION_FORWARD,

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from dhp.models.architectures import architecture_config
+from dhp.models.parallel.checks import check_layout
 from dhp.models.planning.hardware import FITTED, datasheet, fitted_efficiency, profile
 from dhp.models.planning.time_model import Workload
 from dhp.scripts.fit_time_model import REFERENCE, predict_reference
 from dhp.scripts.plan_time import predict, prepare, search
 from dhp.stages.cli import main as cli_main
 from dhp.stages.config import load_config
-from dhp.stages.pools import check_layout
 
-CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "ops_profile_cpu.json"
+CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "results" / "ops_profile_cpu.json"
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +125,9 @@ def test_search_ranks_and_writes_a_config_train_accepts(tmp_path, capsys):
 
 
 def test_time_model_follows_the_fine_tuning_modes():
-    """`dhp bench fine-tuning`'s measured steps (docs/fine_tuning.json: sp2 / tp2 pipelined, a frozen ViT is 3x
+    """`dhp bench fine-tuning`'s measured steps (docs/results/fine_tuning.json: sp2 / tp2 pipelined, a frozen ViT is 3x
     faster than full training) against the plan from the committed CPU profile. Both files come from different
-    sessions of this machine, hence 25 % rather than the same-session 20 % of tests/test_bench_time_model.py.
+    runs on this machine, hence 25 % rather than the 20 % of tests/test_bench_time_model.py (one test session).
     Before the time model asked `FineTuning`, every frozen-ViT mode was predicted 2.1-2.4x too slow."""
     from dhp.scripts.bench.fine_tuning import MODES
     from dhp.scripts.bench.peers import bench_config

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dhp.stages.schedule import pipeline_schedule, simulate
+from dhp.models.parallel.schedule import pipeline_schedule, simulate
 from dhp.stages.trace import (
     EventRecorder,
     StageEvent,

@@ -27,13 +27,14 @@ Forward (`sp_vision_forward`) on rank r, shapes per rank:
 `gather_merged`: all-gather (padded to the largest shard) -> [P / 4, O] in global window order, then
   the inverse window permutation -> raster order, identical on every rank (= VisionModel.forward).
 
-Collectives, in the same order on every rank whatever its data (invariant 2): forward, per full block,
+Collectives, in the same order on every rank whatever its data (docs/design.md, invariant 2): forward, per full block,
   all-to-all #1 then #2 (`all_to_all_single_autograd`, unequal splits; a rank with S_r = 0 sends and
   receives empty pieces but joins); then one all_gather in `gather_merged`. Backward, autograd runs
   the adjoint all-to-alls in reverse order (#2', #1' per full block, last block first); `gather_merged`'s
   backward has NO collective: every rank holds the same gradient of the full output (the loss is
-  replicated), so a rank keeps the slice of its own shard (DESIGN section 5) -- summing would count it
-  sp times. After backward each rank holds partial parameter gradients; their SUM over the SP group is
+  replicated), so a rank keeps the slice of its own shard (docs/design.md, "The boundary between the
+  pools") -- summing would count it sp times. After backward each rank holds partial parameter gradients;
+  their SUM over the SP group is
   the full-model gradient (each patch's path is differentiated on exactly one rank; attention of head
   group r on rank r). Every parameter gets a gradient (zeros on an empty rank), so a later gradient
   all-reduce cannot diverge either.

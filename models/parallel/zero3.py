@@ -17,7 +17,7 @@ backward all-gather again (resharded after forward, as ZeRO-3 does) and reduce-s
 They run on *every* call of every unit, so the sequence of collectives depends only on how many
 forwards/backwards each rank runs, not on its data: the trainer keeps replicas in lockstep (it pads a
 replica with fewer micro-batches with empty ones, and a rank with no image still runs the vision
-units on a placeholder), which is the one thing this layout asks of the schedule (invariant 2).
+units on a placeholder), which is the one thing this layout asks of the schedule (docs/design.md, invariant 2).
 
 Checkpoints: `zero3_slice` is the dim-0 index of rank r's rows, so a rank reads only its rows
 (`safe_open(...).get_slice`); `gather_zero3_state_dict` concatenates every rank's local rows.

@@ -164,11 +164,11 @@ DATASHEETS: dict[str, dict[str, Any]] = {
                  window_attention_tflops=90.0, memory_gbps=864, intra_gbps=25, inter_gbps=6.25, h2d_gbps=25),
 }
 
-FITTED = Path(__file__).resolve().parent.parent / "docs" / "time_model_fit.json"
+FITTED = Path(__file__).resolve().parents[2] / "docs" / "results" / "time_model_fit.json"
 
 
 def fitted_efficiency() -> dict[str, float]:
-    """The efficiency factors fitted on the reference's rows (docs/time_model_fit.json), else 1."""
+    """The efficiency factors fitted on the reference's rows (docs/results/time_model_fit.json), else 1."""
     if FITTED.exists():
         return json.loads(FITTED.read_text())["efficiency"]
     return {"matmul": 1.0, "attention": 1.0, "comm": 1.0, "call_s": 0.0}

@@ -358,8 +358,8 @@ def _fine_tuning_advice(cfg: Any, result: dict[str, Any], model_config: Any) -> 
     can run (`check_layout`)."""
     import copy
 
-    from dhp.stages.config import ConfigError
-    from dhp.stages.pools import check_layout  # the layouts' own checks, which live with the pools
+    from dhp.errors import ConfigError
+    from dhp.models.parallel.checks import check_layout  # the layouts' own checks, which live with the pools
 
     out = []
     gpu = None if result["device"] is None else result["device"] / GIB

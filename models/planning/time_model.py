@@ -349,9 +349,9 @@ def _devices(cfg: Any, prof: Profile) -> tuple[Any, Any]:
 def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     """The predicted step: seconds, its parts (per pool, per micro-batch call and per step), the simulated
     makespan and bubble, vision tokens/s."""
+    from dhp.models.parallel.checks import replicas
     from dhp.models.parallel.layouts import stage_layout
-    from dhp.stages.pools import replicas
-    from dhp.stages.routing import route, simulate_calls
+    from dhp.models.parallel.routing import route, simulate_calls
 
     vl, tl = stage_layout(cfg, "vision", mc), stage_layout(cfg, "text", mc)
     dv, dt = replicas(cfg, "vision"), replicas(cfg, "text")

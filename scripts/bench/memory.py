@@ -11,7 +11,7 @@ the bytes of a checkpoint (every rank's tensors and optimizer share).
 Measured rows (peak_rss_bytes, build_s): one fresh process per row builds and loads one rank's shard from a
 real-format checkpoint — safetensors in bf16 at the released shape with random values, written here first
 (streamed, models/weights/hf_writer.py) — through the workers' own code (models/stage_build.py, with a fake process
-group standing in for the other ranks), and reports its peak RSS. The goal of issue 12:
+group standing in for the other ranks), and reports its peak RSS. The goal:
 peak_rss <= 1.25 x (held after setup + largest tensor) + 1.5 GiB, recorded per row as `goal_rss_bytes`.
 `--quick` does the same on the tiny shape (what the tests run).
 """

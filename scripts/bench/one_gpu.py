@@ -1,4 +1,4 @@
-"""`dhp bench one-gpu`: dhp on one device against the loop a user would write instead (issue 14, items 3 and 4).
+"""`dhp bench one-gpu`: dhp on one device against the loop a user would write instead.
 
     dhp bench one-gpu --json runs/bench/one_gpu.json [--quick] [--model qwen2_5_vl_3b] [--sides 448,896,1792]
                       [--steps 20] [--microbatches 2] [--precision fp32|bf16]

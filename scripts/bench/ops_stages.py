@@ -17,7 +17,7 @@ The reference model has the tiny architecture's widths (what `dhp bench time-mod
 (`DEPTH` ViT blocks, `TEXT_LAYERS` decoder layers) and sees a smaller image (`IMAGE`: 1 024 patches, half of
 the time-model bench's): the time-model check then tests how the model scales with depth and length, not a
 copy of its own input. Measured on CPU profiles only: on a GPU the tiny widths are launch-bound and say
-nothing about a real model (a lent device records the note instead).
+nothing about a real model (a GPU run records the note instead).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ Systems, each with N ranks (N = 4; `--quick`: 2):
                                      engine as qwen-vl-finetune runs it (scripts/peers/deepspeed_zero3.py): N
                                      processes, each a data-parallel replica holding both stages, micro-batch 1.
   dhp zero3 / zero3                  dhp's FSDP2 layout on both pools (N vision + N text actors).
-  dhp tensor / tensor                uniform tensor parallelism, degree N on both pools: the seeds' baseline.
-  dhp sequence / tensor, serial      Ulysses SP N on the vision pool, TP N on the text pool: the mission's layout,
+  dhp tensor / tensor                uniform tensor parallelism, degree N on both pools: the uniform baseline.
+  dhp sequence / tensor, serial      Ulysses SP N on the vision pool, TP N on the text pool: dhp's default layout,
   dhp sequence / tensor, pipelined   micro-batches in order, then with the vision forward of n+1 overlapping n.
 "N ranks" is N processes per pool: dhp gives each module its own pool (its own GPUs on a cluster), so a dhp
 rank holds one stage, a DeepSpeed rank both.

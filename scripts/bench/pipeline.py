@@ -237,8 +237,8 @@ def plot_timelines(panels: list[tuple[str, list[dict], tuple[float, float]]], pa
 
 
 def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | None) -> tuple[dict, list[str]]:
+    from dhp.models.parallel.schedule import pipeline_schedule, simulate
     from dhp.stages.config import load_config
-    from dhp.stages.schedule import pipeline_schedule, simulate
     from dhp.stages.trace import write_chrome_trace
     from dhp.stages.trainer import Trainer
 

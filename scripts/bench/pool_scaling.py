@@ -2,7 +2,7 @@
 
 A vision-heavy model (Tv ~ 3 Tt per micro-batch, the `vision_heavy` shape) on `actors` stage actors:
   even     Dv = Dt = actors / 2 (what dhp allowed before fan-in: vision replica i fed text replica i)
-  fan_in   Dv = actors - 1 vision replicas feeding Dt = 1 text replica (stages/routing.py)
+  fan_in   Dv = actors - 1 vision replicas feeding Dt = 1 text replica (models/parallel/routing.py)
 Same samples, same global batch, pipelined (max_in_flight 3). Per layout:
   step_s            median measured train_step time on this machine
   predicted_step_s  routing.simulate_calls of that layout's submission list with the uncontended per-
@@ -46,8 +46,8 @@ def _vision_call_costs(events: list[dict]) -> dict[str, float]:
 def run_layout(name: str, dv: int, dt: int, samples: list[dict], model_config, preset: dict,
                costs: tuple[float, float]) -> dict:
     """One layout's measured and predicted step; `costs`: calibrated (Tv, Tt) seconds per micro-batch."""
+    from dhp.models.parallel.routing import route, simulate_calls
     from dhp.stages.config import load_config
-    from dhp.stages.routing import route, simulate_calls
     from dhp.stages.trace import STEP_TAIL
     from dhp.stages.trainer import Trainer
 

@@ -9,7 +9,7 @@ one-sample micro-batches; the median step after a warm-up step is compared with 
 same configuration and workload from a `dhp bench ops` profile of this machine (`--profile`; without it the
 profile is measured first, `--quick` sizes). Rows: measured and predicted seconds, their ratio, the
 predicted parts, and each stage call's measured and predicted seconds. Every ratio must be within
-`TOLERANCE` (issue 16, item 3): tests/test_bench_time_model.py checks it with a profile measured in the same
+`TOLERANCE`: tests/test_bench_time_model.py checks it with a profile measured in the same test
 session; docs/time_model.md has the numbers.
 
 The configurations keep at most as many actors busy at once as the machine has cores (two here): serial
