@@ -29,15 +29,33 @@ Configuration and usage errors exit with status 2 and one line on stderr, no tra
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from dhp.stages.config import ConfigError, load_config
 from dhp.stages.preemption import PREEMPTED_EXIT, Preempted
+
+# `dhp bench NAME`: each module declares its arguments (`add_parser`) and runs them (`main`); one line adds a bench.
+BENCHES = {
+    "layouts": "dhp.scripts.bench.layouts",
+    "recovery": "dhp.scripts.bench.recovery",
+    "pipeline": "dhp.scripts.bench.pipeline",
+    "data": "dhp.scripts.bench.data",
+    "memory": "dhp.scripts.bench.memory",
+    "checkpointing": "dhp.scripts.bench.checkpointing",
+    "ops": "dhp.scripts.bench.ops",
+    "time-model": "dhp.scripts.bench.time_model",
+    "peers": "dhp.scripts.bench.peers",
+    "fine-tuning": "dhp.scripts.bench.fine_tuning",
+    "one-gpu": "dhp.scripts.bench.one_gpu",
+    "boundary": "dhp.scripts.bench.boundary",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,10 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train (default: tiny model, synthetic data, local Ray, CPU)")
     train.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML path (default: tiny)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.steps=20")
+    train.set_defaults(run=_train)
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML path (default: tiny)")
     show.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. text.degree=4 (after the options)")
+    show.set_defaults(run=_config)
 
     plan = sub.add_parser("plan", help="memory per rank of each pool, against the GPU (no allocation)")
     plan.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML path (default: tiny)")
@@ -67,21 +87,25 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-set", action="append", metavar="FIELD=VALUE", help="replace a profile field (repeatable)")
     plan.add_argument("--top", type=int, default=10, help="--search: rows shown")
     plan.add_argument("--out", default="best_layout.yaml", help="--search: where the best layout's config goes")
+    plan.set_defaults(run=_plan)
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write the synthetic shapes captioning set")
     synth.add_argument("--out", required=True, help="directory for train.jsonl, val.jsonl and images/")
     synth.add_argument("--num", type=int, default=512, help="training records (default 512)")
     synth.add_argument("--eval-num", type=int, default=None, help="held-out records (default: max(16, num // 10))")
+    synth.set_defaults(run=_synth)
     synth.add_argument("--seed", type=int, default=0, help="seed of the shapes, colours and captions (default 0)")
 
     coco = data.add_parser("convert-coco", help="COCO captions JSON -> conversation-format JSONL")
+    coco.set_defaults(run=_convert)
     coco.add_argument("--captions", required=True, help="captions_*.json (images + annotations)")
     coco.add_argument("--images", required=True, help="image directory (local or s3://); checked for each image")
     coco.add_argument("--out", required=True, help="output JSONL")
     coco.add_argument("--prompt", default=None, help="user turn (default: '<image>\\nDescribe this image.')")
     coco.add_argument("--all-captions", action="store_true", help="one record per caption (default: first)")
     laion = data.add_parser("convert-laion-pop", help="LAION-POP parquet/JSONL rows -> conversation-format JSONL")
+    laion.set_defaults(run=_convert)
     laion.add_argument("--in", dest="src", required=True, help="input .parquet, .jsonl or .json")
     laion.add_argument("--out", required=True, help="output JSONL")
     laion.add_argument("--image-field", default=None, help="column with the image key/path/URL (default: auto)")
@@ -89,55 +113,72 @@ def _parser() -> argparse.ArgumentParser:
     laion.add_argument("--prompt", default=None, help="user turn (default: '<image>\\nDescribe this image.')")
 
     report = sub.add_parser("report", help="plots (PNG) and a summary table of a run directory")
+    report.set_defaults(run=_report)
     report.add_argument("run_dir", help="RUN_DIR (holds metrics.jsonl)")
     report.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR/report)")
 
     export = sub.add_parser("export-hf", help="dhp checkpoint (per-rank shards) -> Hugging Face directory")
+    export.set_defaults(run=_export_hf)
     export.add_argument("--checkpoint", required=True, help="RUN_DIR/checkpoints/step_N")
     export.add_argument("--out", required=True, help="output directory (from_pretrained loads it)")
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB; MiB, bytes)")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    layouts = bench.add_parser("layouts", help="vision-encoder layouts: comm and activation bytes per rank")
-    layouts.add_argument("--json", default=None, help="write the rows here")
-    layouts.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
-    layouts.add_argument("--budget-gib", type=float, default=40.0, help="per-rank activation budget")
-    layouts.add_argument("--dtype-bytes", type=int, default=2, help="bytes per activation element, real-shape rows")
-    layouts.add_argument("--plot", default=None, help="write the PNG here (default: the --json path with .png)")
-    recovery = bench.add_parser("recovery", help="faults mid-run (actor, node, hang, preempt, save): recovery")
-    recovery.add_argument("--json", default=None, help="write the row here")
-    recovery.add_argument("--quick", action="store_true", help="8 steps (for tests)")
-    recovery.add_argument("--kinds", default=None, help="comma-separated: actor,node,hang,preempt,save (default: all)")
-    recovery.add_argument("--keep", default=None, help="write the runs here and keep them (default: a temp dir)")
-    pipe = bench.add_parser("pipeline", help="pipelined vs serial micro-batch order: step time, bubble, overhead")
-    pipe.add_argument("--json", default=None, help="write the rows here (traces beside it)")
-    pipe.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
-    pipe.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5)")
-    pipe.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12)")
-    pipe.add_argument("--scenario", action="append", default=None,
-                      choices=["balanced", "vision_heavy", "text_heavy", "vision_bound_scaling"],
-                      help="run only this scenario (repeatable; default: all four)")
-    bdata = bench.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
-    bdata.add_argument("--json", default=None, help="write the row here")
-    bdata.add_argument("--quick", action="store_true", help="a tiny set (for tests)")
-    from dhp.scripts.bench.boundary import add_parser as add_boundary
-    from dhp.scripts.bench.checkpointing import add_parser as add_checkpointing
-    from dhp.scripts.bench.fine_tuning import add_parser as add_fine_tuning
-    from dhp.scripts.bench.memory import add_parser as add_memory
-    from dhp.scripts.bench.one_gpu import add_parser as add_one_gpu
-    from dhp.scripts.bench.ops import add_parser as add_ops
-    from dhp.scripts.bench.peers import add_parser as add_peers
-    from dhp.scripts.bench.time_model import add_parser as add_time_model
-
-    add_memory(bench)
-    add_checkpointing(bench)
-    add_ops(bench)
-    add_time_model(bench)
-    add_peers(bench)
-    add_fine_tuning(bench)
-    add_one_gpu(bench)
-    add_boundary(bench)
+    for name, module in BENCHES.items():
+        importlib.import_module(module).add_parser(bench)
+        bench.choices[name].set_defaults(run=_bench(module))
     return p
+
+
+def _bench(module: str) -> Callable[[argparse.Namespace], int]:
+    """A benchmark's `main`, imported when it runs."""
+    return lambda args: importlib.import_module(module).main(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # config errors before the heavy imports
+    from dhp.stages.driver import train
+
+    summary = train(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}, indent=1))
+    print(f"skipped records: {summary['skipped']['counts'] or 'none'}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from dhp.dataflow.synth import write_synthetic_dataset
+
+    if args.num < 1 or (args.eval_num is not None and args.eval_num < 0):
+        raise ConfigError(f"--num must be >= 1 and --eval-num >= 0 (got {args.num}, {args.eval_num})")
+    s = write_synthetic_dataset(args.out, args.num, seed=args.seed, eval_num=args.eval_num)
+    state = "already present" if s.reused else "written"
+    print(f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images {state} in {s.out_dir}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from dhp.dataflow.convert import main as convert
+
+    return convert(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from dhp.scripts.report import main as report
+
+    return report(args)
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from dhp.models.weights.export import export_hf
+
+    weight_map = export_hf(args.checkpoint, args.out, args.max_shard_size)
+    print(f"{len(weight_map)} tensors written to {args.out}")
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -170,86 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGINT still stops it, Ray shut down on the way
     args = _parser().parse_args(argv)
     try:
-        if args.command == "train":
-            cfg = load_config(args.config, args.overrides)  # config errors before the heavy imports
-            from dhp.stages.driver import train
-
-            summary = train(cfg)
-            print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}, indent=1))
-            print(f"skipped records: {summary['skipped']['counts'] or 'none'}")
-        elif args.command == "config":
-            print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
-        elif args.command == "plan":
-            return _plan(args)
-        elif args.command == "data" and args.data_command == "synth":
-            from dhp.dataflow.synth import write_synthetic_dataset
-
-            if args.num < 1 or (args.eval_num is not None and args.eval_num < 0):
-                raise ConfigError(f"--num must be >= 1 and --eval-num >= 0 (got {args.num}, {args.eval_num})")
-            s = write_synthetic_dataset(args.out, args.num, seed=args.seed, eval_num=args.eval_num)
-            state = "already present" if s.reused else "written"
-            print(f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images {state} in {s.out_dir}")
-        elif args.command == "data" and args.data_command in ("convert-coco", "convert-laion-pop"):
-            from dhp.dataflow.convert import main as convert
-
-            return convert(args)
-        elif args.command == "report":
-            from dhp.scripts.report import main as report
-
-            return report(args)
-        elif args.command == "export-hf":
-            from dhp.models.weights.export import export_hf
-
-            weight_map = export_hf(args.checkpoint, args.out, args.max_shard_size)
-            print(f"{len(weight_map)} tensors written to {args.out}")
-        elif args.command == "bench" and args.bench_command == "layouts":
-            from dhp.scripts.bench.layouts import main as bench_layouts
-
-            return bench_layouts(args)
-        elif args.command == "bench" and args.bench_command == "recovery":
-            from dhp.scripts.bench.recovery import main as bench_recovery
-
-            return bench_recovery(args)
-        elif args.command == "bench" and args.bench_command == "pipeline":
-            from dhp.scripts.bench.pipeline import main as bench_pipeline
-
-            return bench_pipeline(args)
-        elif args.command == "bench" and args.bench_command == "checkpointing":
-            from dhp.scripts.bench.checkpointing import main as bench_checkpointing
-
-            return bench_checkpointing(args)
-        elif args.command == "bench" and args.bench_command == "memory":
-            from dhp.scripts.bench.memory import main as bench_memory
-
-            return bench_memory(args)
-        elif args.command == "bench" and args.bench_command == "ops":
-            from dhp.scripts.bench.ops import main as bench_ops
-
-            return bench_ops(args)
-        elif args.command == "bench" and args.bench_command == "time-model":
-            from dhp.scripts.bench.time_model import main as bench_time_model
-
-            return bench_time_model(args)
-        elif args.command == "bench" and args.bench_command == "fine-tuning":
-            from dhp.scripts.bench.fine_tuning import main as bench_fine_tuning
-
-            return bench_fine_tuning(args)
-        elif args.command == "bench" and args.bench_command == "one-gpu":
-            from dhp.scripts.bench.one_gpu import main as bench_one_gpu
-
-            return bench_one_gpu(args)
-        elif args.command == "bench" and args.bench_command == "boundary":
-            from dhp.scripts.bench.boundary import main as bench_boundary
-
-            return bench_boundary(args)
-        elif args.command == "bench" and args.bench_command == "peers":
-            from dhp.scripts.bench.peers import main as bench_peers
-
-            return bench_peers(args)
-        elif args.command == "bench" and args.bench_command == "data":
-            from dhp.scripts.bench.data import main as bench_data
-
-            return bench_data(args)
+        return args.run(args) or 0
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"dhp: error: {e}", file=sys.stderr)
         return 2

@@ -332,3 +332,9 @@ def main(args: argparse.Namespace | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("data", help="Ray Data preprocessing vs a plain loop (local and s3://); data wait")
+    p.add_argument("--json", default=None, help="write the row here")
+    p.add_argument("--quick", action="store_true", help="a tiny set (for tests)")

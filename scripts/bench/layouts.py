@@ -61,6 +61,7 @@ import math
 import os
 import sys
 import types
+from typing import Any
 
 import torch
 
@@ -282,3 +283,12 @@ def main(args=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("layouts", help="vision-encoder layouts: comm and activation bytes per rank")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
+    p.add_argument("--budget-gib", type=float, default=40.0, help="per-rank activation budget")
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per activation element, real-shape rows")
+    p.add_argument("--plot", default=None, help="write the PNG here (default: the --json path with .png)")

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -384,3 +385,14 @@ def main(args=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("pipeline", help="pipelined vs serial micro-batch order: step time, bubble, overhead")
+    p.add_argument("--json", default=None, help="write the rows here (traces beside it)")
+    p.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12)")
+    p.add_argument("--scenario", action="append", default=None,
+                      choices=["balanced", "vision_heavy", "text_heavy", "vision_bound_scaling"],
+                      help="run only this scenario (repeatable; default: all four)")

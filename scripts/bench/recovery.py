@@ -273,3 +273,11 @@ if __name__ == "__main__":
     parser.add_argument("--kinds", default=None)
     parser.add_argument("--keep", default=None)
     sys.exit(main(parser.parse_args()))
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("recovery", help="faults mid-run (actor, node, hang, preempt, save): recovery")
+    p.add_argument("--json", default=None, help="write the row here")
+    p.add_argument("--quick", action="store_true", help="8 steps (for tests)")
+    p.add_argument("--kinds", default=None, help="comma-separated: actor,node,hang,preempt,save (default: all)")
+    p.add_argument("--keep", default=None, help="write the runs here and keep them (default: a temp dir)")
