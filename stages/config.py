@@ -34,6 +34,8 @@ class ModelConfig:
     # per_part: each rank draws only its part on its device (same distribution, another stream:
     # models/weights/random_init.py)
     random_init: Literal["exact", "per_part"] = "exact"
+    # attention kernel: sdpa has a flash kernel on CUDA; flash_attention_2 needs flash-attn installed (checked before
+    # Ray starts)
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype under fp32 precision (GPU autocast)
     precision: Literal["fp32", "bf16"] = "fp32"  # model states: fp32 master (16 B/param) or pure bf16 (8 B/param)
@@ -42,6 +44,7 @@ class ModelConfig:
 
 @dataclass
 class StageConfig:
+    # layout of the pool (models/parallel/): vision none | sequence | tensor | zero3; text none | tensor | zero3
     parallelism: Literal["none", "sequence", "tensor", "zero3"] = "none"
     num_actors: int = 1  # actors in this pool (= dp x degree)
     degree: int = 1  # sequence- (vision) or tensor- (text) parallel group size
@@ -83,7 +86,7 @@ class SynthConfig:
     dir: str = "data/synth"  # where `dhp train` writes the synthetic set if `data.train` is empty
     num: int = 512  # training records
     eval_num: int = 64  # held-out records
-    seed: int = 0
+    seed: int = 0  # seed of the shapes, colours and captions
 
 
 @dataclass
@@ -94,8 +97,8 @@ class StorageConfig:
     profile: str | None = None  # AWS profile for credentials (None: AWS_PROFILE or the default chain)
     anonymous: bool = False  # unsigned requests (public buckets)
     max_attempts: int = 6  # tries per request; timeouts, 5xx and throttling are retried with backoff
-    connect_timeout_s: float = 10.0
-    request_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0  # seconds to open a connection to the endpoint
+    request_timeout_s: float = 60.0  # seconds one request may take before it is retried
 
 
 @dataclass
@@ -133,17 +136,17 @@ class TrainingConfig:
     gpu_memory_gib: float | None = None  # memory of one GPU for the plan; None: this machine's GPU, if any
     skip_memory_check: bool = False  # start even if the memory plan (dhp plan) says a GPU rank will not fit
     global_batch_size: int = 8  # samples per optimizer step (split into token-budget micro-batches)
-    lr: float = 2e-3
+    lr: float = 2e-3  # peak learning rate (each module scales it: vision.lr_scale, text.lr_scale)
     min_lr_ratio: float = 0.1  # cosine decays to lr x min_lr_ratio
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    warmup_steps: int = 10  # linear warm-up from 0 to lr, then the cosine decay
+    weight_decay: float = 0.0  # AdamW weight decay (each module may override it)
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # clip by the global norm over both stages; <= 0 disables
     eval_every: int = 50  # steps between eval passes; 0 = only at the end
     eval_batches: int = 4  # global batches per eval pass
-    log_every: int = 1
+    log_every: int = 1  # steps between metrics lines (the console prints every 10 x this off a terminal)
     checkpoint_every: int = 0  # steps between checkpoints (RUN_DIR/checkpoints/step_N); 0 = only at the end
     keep_last: int = 3  # checkpoints kept (older ones deleted); 0 = keep all
     max_restarts: int = 2  # times a run rebuilds its pools after a fault (a dead actor or node, a hang), then fails
@@ -202,14 +205,14 @@ class OutputConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    vision: VisionStageConfig = field(default_factory=VisionStageConfig)
-    text: TextStageConfig = field(default_factory=TextStageConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # which model: a built-in shape or a checkpoint, precision
+    vision: VisionStageConfig = field(default_factory=VisionStageConfig)  # the vision pool: layout, actors, what trains
+    text: TextStageConfig = field(default_factory=TextStageConfig)  # the text pool: layout, actors, what trains
+    data: DataConfig = field(default_factory=DataConfig)  # what is read and how it becomes micro-batches
+    training: TrainingConfig = field(default_factory=TrainingConfig)  # steps, optimizer, checkpoints, faults
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # how micro-batches flow between the pools
+    ray: RayConfig = field(default_factory=RayConfig)  # which Ray cluster
+    output: OutputConfig = field(default_factory=OutputConfig)  # what a run writes to RUN_DIR
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
