@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
-# The GPU work (tests, dhp against one process, the peers) on a GPU machine with no access to package
-# registries. The machine is available for at most 15 minutes at a time (its start, 1-2 minutes, included) and
-# runs one command for at most 10 minutes, so this script runs every step in ONE command:
+# The GPU machine's benchmarks and GPU tests in ONE command of at most 10 minutes (the machine's start, 1-2
+# minutes, comes on top):
 #
-#   bash scripts/gpu_bundle.sh                               # on a machine with registry access: .gpu_bundle/
-#   on the GPU machine, with .gpu_bundle copied beside the checkout, at most 600 s:  bash scripts/gpu_session.sh all
+#   bash scripts/gpu_bundle.sh                  # here, once: .gpu_bundle/site.tar.xz
+#   on the GPU machine, with .gpu_bundle beside the checkout, within 600 s:  bash scripts/gpu_session.sh all
 #
-# `all` runs the three steps below in order of what they prove (the CUDA path, then dhp against one process on
+# `all` runs the steps in STEPS in order of what they prove (the CUDA path, then dhp against one process on
 # the 3B, then the peers), each under its own time limit cut from BUDGET_S (default 570 s from the script's
 # start, setup included) so that a hang in one leaves time for the next; a step stopped at its limit is sent
-# SIGINT (pytest prints its summary, the benches shut Ray down) and the benches keep in their JSON what they
+# SIGINT (pytest prints its summary, the benches shut down) and the benches keep in their JSON what they
 # finished (one-gpu its image sizes, peers its systems). One step alone:
 #
-#                                        bash scripts/gpu_session.sh tests      # pytest -m gpu  (~3 min)
+#                                        bash scripts/gpu_session.sh tests      # pytest -m gpu  (~3-5 min)
 #                                        bash scripts/gpu_session.sh one-gpu    # 3B, dhp vs one process
 #                                        bash scripts/gpu_session.sh peers      # dhp bench peers --ranks 1
 #
-# Knobs: BUDGET_S (all's seconds from the start, default 570), STEPS (all's steps, default "tests one_gpu peers"),
-# TESTS_S (the tests' share, 240: they took ~300 s on an H100, so once they have passed, run STEPS="one_gpu
-# peers" and the tests as a second command), MODEL (one-gpu's shape, default
-# qwen2_5_vl_3b; `tiny` runs its quick CPU size, which is how this script is checked without a GPU), SIDES
-# (one-gpu's image sides in px, e.g. 896,1792; default the bench's 448,896,1792), BENCH_STEPS (one-gpu's measured
-# steps per size, default 20), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc;
-# default host), PROFILE (one-gpu: this many profiled steps of the one-process loop, default 2),
-# LIMIT_S (one step alone: its limit, default 570; e.g. 220 for the tests as a second command),
-# STOP_RAY=0 (do not `ray stop --force` after each step; only
-# for a machine where other Ray work runs).
+# One Ray for the benches: started once before the first of them (`ray start --head --block` on 127.0.0.1, its
+# own ports, temp dir and token, in its own process group) and ended with the script; each bench joins it
+# through RAY_ADDRESS. Never `ray stop` between steps: a second Ray start after `ray stop --force` timed out
+# ("GCS cannot find the node", "Failed to get node info") on H100 machines, 3 times
+# of 3. A step's actors end with its driver (Ray kills a job's actors when the job's driver exits). The tests
+# start their own Ray (`address="local"`), without RAY_ADDRESS.
 #
-# Each step writes its log and JSON under $OUT (default runs/gpu/; at most 8 files in all, so that the folder
-# the GPU machine hands back holds them all) together with versions.txt: the GPU, driver, torch/CUDA,
-# transformers, Ray and DeepSpeed it ran with, and steps.txt: each step's exit status and seconds (124: stopped
-# at its limit). Record what comes back in docs/gpu.md.
+# Knobs: BUDGET_S (all's seconds from the start, default 570), STEPS (all's steps, default "one_gpu peers"; the
+# tests took ~300 s on an H100, so they are a command of their own: STEPS=tests or `tests`),
+# TESTS_S (the tests' share in all, 240), MODEL (one-gpu's shape, default qwen2_5_vl_3b; `tiny` runs its quick
+# CPU size and the peers' --quick one: how this script is checked without a GPU), SIDES (one-gpu's image sides
+# in px, e.g. 896,1792; default the bench's 448,896,1792), BENCH_STEPS (one-gpu's measured steps per size,
+# default 20), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc; default host), PROFILE
+# (one-gpu: this many profiled steps, after one warm-up, of the one-process loop and of dhp's actors; default 1;
+# 0: none), RAY_CPUS (the Ray's CPUs, default 8: the peers ask for 8), LIMIT_S (one step alone: its limit,
+# default 570; e.g. 220 for the tests as a second command on a warm machine).
+#
+# Each step writes its log and JSON under $OUT (the folder that comes back from the GPU machine, at most 8
+# files; runs/gpu/ elsewhere) together with versions.txt: the GPU, driver, torch/CUDA, transformers, Ray and
+# DeepSpeed it ran with, and steps.txt: each step's exit status and seconds (124: stopped at its limit).
+# Record what comes back in docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=${1:?usage: gpu_session.sh all|tests|one-gpu|peers}
@@ -61,21 +66,71 @@ for name in ("transformers", "ray", "deepspeed"):
 PY
 } > "$OUT/versions.txt" 2>&1
 # Each step logs to a file only (no pipe: a pipe's reader would get the time limit's SIGINT too); its tail is
-# printed after it, which is what the command's output shows.
-tests()   { python3 -m pytest -m gpu tests/ -q -rs --durations=5 > "$OUT/pytest_gpu.log" 2>&1; }
+# printed after it, which is what comes back of the command's output.
+tests()   {  # their own Ray, as in CI
+  env -u RAY_ADDRESS -u RAY_AUTH_MODE -u RAY_AUTH_TOKEN_PATH -u RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER \
+    python3 -m pytest -m gpu tests/ -q -rs --durations=5 > "$OUT/pytest_gpu.log" 2>&1
+}
 one_gpu() {  # MODEL=tiny: the tiny shape (how this script is checked on a CPU)
   local model=(--model "${MODEL:-qwen2_5_vl_3b}")
   [ "${MODEL:-}" = tiny ] && model=(--quick)
   [ -n "${SIDES:-}" ] && model+=(--sides "$SIDES")
   [ -n "${BENCH_STEPS:-}" ] && model+=(--steps "$BENCH_STEPS")
   [ -n "${BOUNDARIES:-}" ] && model+=(--boundaries "$BOUNDARIES")
-  python3 -m dhp.stages.cli bench one-gpu "${model[@]}" --profile "${PROFILE:-2}" --json "$OUT/one_gpu.json" \
+  python3 -m dhp.stages.cli bench one-gpu "${model[@]}" --profile "${PROFILE:-1}" --json "$OUT/one_gpu.json" \
     > "$OUT/one_gpu.log" 2>&1
 }
-peers()   { python3 -m dhp.stages.cli bench peers --ranks 1 --json "$OUT/peers_gpu.json" > "$OUT/peers_gpu.log" 2>&1; }
+peers() {  # MODEL=tiny: its quick sizes too
+  local quick=()
+  [ "${MODEL:-}" = tiny ] && quick=(--quick)
+  python3 -m dhp.stages.cli bench peers --ranks 1 "${quick[@]}" --json "$OUT/peers_gpu.json" > "$OUT/peers_gpu.log" 2>&1
+}
 export -f tests one_gpu peers
 export OUT
 declare -A LOG=([tests]=pytest_gpu.log [one_gpu]=one_gpu.log [peers]=peers_gpu.log)
+
+# The benches' Ray: `ray start --head --block` in a session and process group of its own (its daemons and
+# workers stay in it), bound to 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, Ray's single-machine mode, as
+# scripts/local_head.py explains) with free ports, token auth with a token of its own, and ended with the script
+# by its process id: no `ray stop`, which stops every Ray of the machine's user.
+RAY_PID=
+start_ray() {
+  [ -n "$RAY_PID" ] && kill -0 "$RAY_PID" 2>/dev/null && return 0  # running (started before an earlier step)
+  RAY_DIR=$(mktemp -d /tmp/dhp-ray-XXXXXX)  # short: Ray's unix sockets go under it (107 bytes at most)
+  python3 -c 'import secrets; print(secrets.token_hex(32))' > "$RAY_DIR/token" && chmod 600 "$RAY_DIR/token"
+  local ports
+  read -r -a ports < <(python3 -c 'from dhp.scripts.local_head import free_ports; print(*free_ports(10))')
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$RAY_DIR/token" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
+    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 AUTOSCALER_METRIC_PORT="${ports[8]}" DASHBOARD_METRIC_PORT="${ports[9]}"
+  python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
+    python3 -m ray.scripts.scripts start --head --block --node-ip-address=127.0.0.1 --temp-dir="$RAY_DIR/ray" \
+    --num-cpus="${RAY_CPUS:-8}" --include-dashboard=false --disable-usage-stats --port="${ports[0]}" \
+    --ray-client-server-port="${ports[1]}" --node-manager-port="${ports[2]}" --object-manager-port="${ports[3]}" \
+    --dashboard-agent-listen-port="${ports[4]}" --dashboard-agent-grpc-port="${ports[5]}" \
+    --runtime-env-agent-port="${ports[6]}" --metrics-export-port="${ports[7]}" \
+    > "$RAY_DIR/head.log" 2>&1 < /dev/null &
+  RAY_PID=$!  # the session's leader: its process group's id
+  export RAY_ADDRESS="127.0.0.1:${ports[0]}"
+  local began=$SECONDS
+  until grep -q "Ray runtime started" "$RAY_DIR/head.log"; do
+    if ! kill -0 "$RAY_PID" 2>/dev/null || (( SECONDS - began > 90 )); then
+      echo "Ray's head did not start in $(( SECONDS - began )) s:" | tee -a "$OUT/steps.txt"
+      tail -n 20 "$RAY_DIR/head.log" | tee -a "$OUT/steps.txt"
+      return 1
+    fi
+    sleep 0.5
+  done
+  echo "Ray started at $RAY_ADDRESS in $(( SECONDS - began )) s" | tee -a "$OUT/steps.txt"
+}
+stop_ray() {
+  [ -n "$RAY_PID" ] || return 0
+  kill -TERM "$RAY_PID" 2>/dev/null || true  # `ray start --block` ends its node
+  for _ in $(seq 30); do pgrep -g "$RAY_PID" >/dev/null || break; sleep 0.5; done
+  kill -KILL -- "-$RAY_PID" 2>/dev/null || true  # what outlived that, in its process group
+  rm -rf "$RAY_DIR"
+  RAY_PID=
+}
+trap stop_ray EXIT
 
 # step NAME LIMIT_S: one step under a time limit (SIGINT to its process group, SIGKILL 15 s later); a limit
 # under 30 s skips it. Records how it ended in steps.txt and prints its log's tail.
@@ -86,30 +141,32 @@ step() {
     return 0
   fi
   began=$(date +%s)
-  timeout --signal=INT --kill-after=15 "$2" bash -c "$1" || rc=$?
-  # a step killed before it shut its Ray down would leave actors holding the GPU for the next one (STOP_RAY=0
-  # where other Ray work shares the machine: this stops every Ray process of the user)
-  if [ "${STOP_RAY:-1}" != 0 ]; then
-    python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
-    # until Ray's daemons are gone: the peers' Ray start once timed out ("Failed to get node info") right after
-    # the one-gpu step's stop
-    for _ in $(seq 30); do pgrep -f 'ray/core/src/ray/(gcs/gcs_server|raylet/raylet)' >/dev/null || break; sleep 1; done
+  if [ "$1" != tests ] && ! start_ray; then
+    rc=3
+  else
+    timeout --signal=INT --kill-after=15 "$2" bash -c "$1" || rc=$?
   fi
-  echo "== $1: rc=$rc (124: stopped at its limit) in $(( $(date +%s) - began )) s of $2" | tee -a "$OUT/steps.txt"
-  tail -n 30 "$OUT/${LOG[$1]}"
+  # a step's actors die with its driver; until their GPU memory is back (no compute process left), at most 30 s
+  for _ in $(seq 30); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break
+    sleep 1
+  done
+  echo "== $1: rc=$rc (124: stopped at its limit; 3: no Ray) in $(( $(date +%s) - began )) s of $2" \
+    | tee -a "$OUT/steps.txt"
+  tail -n 30 "$OUT/${LOG[$1]}" 2>/dev/null || true
   return 0
 }
 
 case "$STEP" in
-  tests)   step tests "${LIMIT_S:-570}" ;;  # + 15 s to die + Ray's stop: inside a command's 600 s
+  tests)   step tests "${LIMIT_S:-570}" ;;  # + 15 s to die: inside a command's 600 s
   one-gpu) step one_gpu "${LIMIT_S:-570}" ;;
   peers)   step peers "${LIMIT_S:-570}" ;;
   all)
     # counted from the script's start (the unpack and install included); a step may overrun its limit by ~20 s
-    # (SIGKILL 15 s after SIGINT, then Ray's stop), so each limit leaves that much of the budget
+    # (SIGKILL 15 s after SIGINT, then the wait for the GPU), so each limit leaves that much of the budget
     budget=${BUDGET_S:-570}
     left() { echo $(( budget - SECONDS )); }
-    steps=" ${STEPS:-tests one_gpu peers} "
+    steps=" ${STEPS:-one_gpu peers} "
     tests_s=${TESTS_S:-240}
     [[ $steps == *" tests "* ]] && step tests $(( tests_s < $(left) - 20 ? tests_s : $(left) - 20 ))
     [[ $steps == *" peers "* ]] && keep=$(( 90 + 20 )) || keep=0  # the peers keep at least 90 s

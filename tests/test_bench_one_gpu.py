@@ -1,10 +1,11 @@
 """`dhp bench one-gpu` at its quick size on CPU: both systems train the same batches and the JSON says what a GPU
-run will report. No timing is asserted (benchmarks are scripts); the GPU figures come from a lent device."""
+run will report. No timing is asserted (benchmarks are scripts); the GPU figures come from a GPU run."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,20 +43,26 @@ def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_pa
     moved = dhp["boundary_s_per_microbatch"]  # Ray's transfers of the shards and gradients are always timed
     assert moved["ray_s"] > 0 and moved["boundary_s"] == pytest.approx(moved["copy_s"] + moved["ray_s"])
     assert dhp["boundary_share"] == 2 * moved["boundary_s"] / dhp["step_s"] < 1
-    prof = alone["profile"]  # one more step of the loop under torch.profiler, after the measured ones
-    assert "profile" not in dhp and prof["wall_s"] > 0 and len(prof["top_host"]) == 8
-    assert prof["device_busy_s"] == prof["device_busy_share"] == 0 and prof["top_device"] == []  # a CPU: no device
-    calls = [o["calls"] for o in prof["top_host"]]  # the host operators called most often, with their host time
-    assert calls == sorted(calls, reverse=True) and all(o["op"].startswith("aten::") for o in prof["top_host"])
-    assert all(o["host_s"] >= 0 for o in prof["top_host"])
+    # one more step (after the profiler's warm-up) of the loop and of dhp under torch.profiler, after the measured
+    # ones: the loop's process and dhp's two actors each summarized where it ran
+    assert set(alone["profile"]) == {"process"} and set(dhp["profile"]) == {"vision", "text"}
+    for prof in (alone["profile"]["process"], dhp["profile"]["vision"], dhp["profile"]["text"]):
+        assert prof["wall_s"] > 0 and 0 < len(prof["top_host"]) <= 8 and prof["summary_s"] >= 0
+        assert prof["device_busy_s"] == prof["device_busy_share"] == 0 and prof["top_device"] == []  # a CPU
+        assert prof["device_gaps"] == {"count": 0, "total_s": 0, "longest_s": []}
+        calls = [o["calls"] for o in prof["top_host"]]  # the host events called most often, with their host time
+        assert calls == sorted(calls, reverse=True) and all(o["host_s"] >= 0 for o in prof["top_host"])
+        assert any(o["op"].startswith("aten::") for o in prof["top_host"])
+    assert len(alone["profile"]["process"]["top_host"]) == 8
     out = capsys.readouterr().out
     assert "| 64 | dhp |" in out and "profiled 64 patches, one process: device busy 0%" in out
+    assert "profiled 64 patches, dhp vision: device busy 0%" in out and "profiled 64 patches, dhp text:" in out
     assert "pipeline.boundary=cuda_ipc failed at 64 patches: ConfigError" in out
     assert ray_session.is_initialized()  # the session's Ray, left running
 
 
 def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():
-    """What the device run will choose for the 3B (fp32 master states are 60 GB: they do not fit an 80 GB H100
+    """What a GPU run will choose for the 3B (fp32 master states are 60 GB: they do not fit an 80 GB H100
     beside 16 k-patch activations), decided by the plan alone, so checked here without a GPU."""
     from dhp.scripts.bench.one_gpu import _settings, choose_precision
     from dhp.stages.config import load_config
@@ -102,7 +109,7 @@ def test_a_side_that_fails_is_recorded_and_the_sides_before_it_kept(ray_session,
 
 
 def test_the_device_counts_as_released_with_this_process_cache_in_it():
-    """The wait between systems (GPU only) decided on numbers: the 2026-11-26 H100 run's second image size, where
+    """The wait between systems (GPU only) decided on numbers: an H100 run's second image size, where
     this process's one-process loop kept 37.6 GiB cached on the 79.2 GiB device and the old check (free >= 90 %)
     waited out its limit; actors still holding memory keep it waiting."""
     from dhp.scripts.bench.one_gpu import device_released
@@ -114,40 +121,51 @@ def test_the_device_counts_as_released_with_this_process_cache_in_it():
     assert not device_released(int(0.5 * total), total, held_here=0)
 
 
-class _Event:  # the four things profile_summary reads of a Kineto event
-    def __init__(self, name: str, kind: str, start: int, end: int):
-        self._v = (name, kind, start, end)
+def _event(name: str, device: bool, start_us: float, end_us: float, annotation: bool = False) -> SimpleNamespace:
+    """What profile_summary reads of a `prof.events()` entry (torch's FunctionEvent)."""
+    from torch.autograd import DeviceType
 
-    def name(self):
-        return self._v[0]
-
-    def activity_type(self):
-        return self._v[1]
-
-    def start_ns(self):
-        return self._v[2]
-
-    def end_ns(self):
-        return self._v[3]
-
-    def duration_ns(self):
-        return self._v[3] - self._v[2]
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA if device else DeviceType.CPU, is_async=False,
+                           time_range=SimpleNamespace(start=start_us, end=end_us), is_user_annotation=annotation)
 
 
 def test_profile_summary_counts_the_chip_busy_once_and_skips_markers():
-    """Two overlapping kernels on two streams count once; a CUPTI marker ("Command Buffer Full", 14 s of 3.5 on the
-    H200 of 2026-11-26 under key_averages) and host ops are not device work."""
-    events = [_Event("gemm", "kernel", 0, 4_000), _Event("attn", "kernel", 2_000, 6_000),
-              _Event("gemm", "kernel", 10_000, 12_000), _Event("Memcpy HtoD", "gpu_memcpy", 12_000, 13_000),
-              _Event("Command Buffer Full", "overhead", 0, 50_000),
-              _Event("aten::mm", "cpu_op", 0, 3_000), _Event("aten::mm", "cpu_op", 5_000, 6_000),
-              _Event("aten::add", "cpu_op", 0, 9_000)]
+    """Two overlapping kernels on two streams count once; a CUPTI marker ("Command Buffer Full", 14 s of 3.5 on an
+    H200 under key_averages), a stream sync, the step's range on the device and host ops are not
+    device work; the device's idle gaps between its work are counted."""
+    events = [_event("gemm", True, 0, 4), _event("attn", True, 2, 6), _event("gemm", True, 10, 12),
+              _event("Memcpy HtoD (Pageable -> Device)", True, 12, 13),
+              _event("Command Buffer Full", True, 0, 50), _event("Stream Sync", True, 6, 10),
+              _event("ProfilerStep#3", True, 0, 20, annotation=True),
+              _event("aten::mm", False, 0, 3), _event("aten::mm", False, 5, 6), _event("aten::add", False, 0, 9),
+              _event("ProfilerStep#3", False, 0, 20)]
     s = profile_summary(events, wall_s=20e-6)
     assert s["device_busy_s"] == pytest.approx(9e-6) and s["device_busy_share"] == pytest.approx(0.45)
+    assert s["device_gaps"] == {"count": 1, "total_s": pytest.approx(4e-6), "longest_s": [pytest.approx(4e-6)]}
     assert s["top_device"][0] == {"op": "gemm", "calls": 2, "device_s": pytest.approx(6e-6)}
-    assert [o["op"] for o in s["top_device"]] == ["gemm", "attn", "Memcpy HtoD"]
+    assert [o["op"] for o in s["top_device"]] == ["gemm", "attn", "Memcpy HtoD (Pageable -> Device)"]
     assert s["top_host"] == [{"op": "aten::mm", "calls": 2, "host_s": pytest.approx(4e-6)},
                              {"op": "aten::add", "calls": 1, "host_s": pytest.approx(9e-6)}]
+    assert list(s["skipped_device_s"]) == ["Command Buffer Full", "ProfilerStep#3", "Stream Sync"]
+
+
+def test_profile_summary_reads_torch_profilers_public_events():
+    """A real torch.profiler run on the CPU through `profiled` (one warm-up step, then the recorded ones): the
+    summary reads only FunctionEvent's public fields, so it runs on whatever torch this is (the GPU machine's
+    2.11 had no `_KinetoEvent.activity_type`, which the summary read before)."""
+    import torch
+
+    from dhp.scripts.bench.one_gpu import profiled
+
+    x = torch.randn(16, 16, requires_grad=True)
+    with profiled(2) as prof:
+        for _ in range(3):
+            (x @ x).sum().backward()
+            prof.step()
+    s = profile_summary(prof.events(), wall_s=1.0)
+    assert s["device_busy_s"] == 0 and s["top_device"] == [] and s["skipped_device_s"] == {}
+    mm = {o["op"]: o for o in s["top_host"]}["aten::mm"]  # forward 1 + backward 2, in each of the 2 recorded steps
+    assert mm["calls"] == 6 and mm["host_s"] > 0
 
 
 def test_boundaries_are_checked_when_parsed():

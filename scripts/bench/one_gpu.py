@@ -20,7 +20,7 @@ pools spend moving embeddings and gradients across the boundary (`trace.boundary
 GPU `torch.cuda.max_memory_allocated` of each process and its peak reserved by the caching allocator (what two
 processes sharing a GPU each hold: neither can use the other's cache), next to `dhp plan`'s prediction per actor;
 on a CPU the processes' peak RSS (mostly libraries: no prediction is compared). `ratio` is dhp's tokens/s over
-the one-process loop's (the issue's goal: >= 0.95). Weights are random (no released weights offline): speed does
+the one-process loop's (the goal: >= 0.95). Weights are random (no released weights offline): speed does
 not depend on their values. Without `--model` the tiny architecture runs, which is what CI checks on CPU; CPU
 timings are labelled as such in the JSON.
 """
@@ -89,7 +89,7 @@ def _reset_peak(_worker: Any = None) -> None:
 
 def device_released(free: int, total: int, held_here: int) -> bool:
     """Whether the device is free but for what this process's caching allocator holds (the one-process loop's
-    cache, which this process reuses: it keeps no other system from the memory). On 2026-11-26 the check
+    cache, which this process reuses: it keeps no other system from the memory). On an H100 the check
     without `held_here` waited out its limit at the second image size behind the loop's 37.6 GiB cache."""
     return free + held_here >= 0.9 * total
 
@@ -111,41 +111,107 @@ def _wait_for_free_device(timeout_s: float = 120.0) -> None:
         time.sleep(1.0)
 
 
-DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # Kineto activity types that are the chip's own work
+# Events on the device's timeline that are not its work: CUPTI's markers (the launch queue full: 14 s of a 3.5 s
+# step under key_averages on an H200), waits for a stream or event, and the profiler's own ranges
+NOT_DEVICE_WORK = ("Command Buffer Full", "Buffer Flush", "Activity Buffer Request", "Driver Compiler", "Resource",
+                   "Instrumentation", "Runtime Triggered Module Loading", "Lazy Function Loading", "Event Sync",
+                   "Stream Wait Event", "Stream Sync", "Context Sync", "ProfilerStep")
 
 
 def profile_summary(events: Any, wall_s: float, top: int = 8) -> dict[str, Any]:
-    """What a torch.profiler run says about where a step's time goes, from Kineto's raw events
-    (`prof.profiler.kineto_results.events()`): the device's busy seconds (the union of its kernels and copies,
-    so overlapping streams count once) against the wall (a share far below 1: the host, not the chip, sets the
-    pace), the kernels that take most device time, and the host operators called most often with their
-    inclusive host time. One pass over the events: `prof.key_averages()` builds Python's tree of every event
-    first, which at 16 k patches (hundreds of thousands of them) had not finished after minutes on an H200."""
-    spans, device, host = [], {}, {}
+    """What a torch.profiler run says about where a step's time goes, from `prof.events()` (torch's public
+    `FunctionEvent`s: `name`, `device_type`, `time_range` in µs, `is_async`): the device's busy seconds (the union
+    of its kernels and copies, so overlapping streams count once) against the wall (a share far below 1: the host,
+    not the chip, sets the pace), its idle gaps, the kernels that take most device time, and the host events
+    called most often with their inclusive host time. One pass over the events, none of the tree's recursive
+    totals (`key_averages` had not finished after minutes at 16 k patches on an H200); the events' number is
+    bounded by profiling few steps (`profiled`)."""
+    from torch.autograd import DeviceType
+
+    spans, device, host, skipped = [], {}, {}, {}
     for e in events:
-        kind = e.activity_type()
-        if kind in DEVICE_WORK:
-            spans.append((e.start_ns(), e.end_ns()))
-            calls, ns = device.get(e.name(), (0, 0))
-            device[e.name()] = (calls + 1, ns + e.duration_ns())
-        elif kind == "cpu_op":
-            calls, ns = host.get(e.name(), (0, 0))
-            host[e.name()] = (calls + 1, ns + e.duration_ns())
-    busy_ns, reach = 0, 0
+        name, span = e.name, e.time_range
+        us = span.end - span.start
+        if e.device_type != DeviceType.CPU:
+            if getattr(e, "is_user_annotation", False) or name.startswith(NOT_DEVICE_WORK):
+                skipped[name] = skipped.get(name, 0.0) + us
+                continue
+            spans.append((span.start, span.end))
+            calls, total = device.get(name, (0, 0.0))
+            device[name] = (calls + 1, total + us)
+        elif not e.is_async and not name.startswith("ProfilerStep"):
+            calls, total = host.get(name, (0, 0.0))
+            host[name] = (calls + 1, total + us)
+    busy_us, reach, gaps = 0.0, None, []
     for start, end in sorted(spans):
-        busy_ns += max(0, end - max(start, reach))
-        reach = max(reach, end)
-    device_s = busy_ns / 1e9
+        if reach is not None and start > reach:
+            gaps.append(start - reach)
+        busy_us += max(0.0, end - max(start, reach if reach is not None else start))
+        reach = end if reach is None else max(reach, end)
+    device_s = busy_us / 1e6
     ranked = {"device": sorted(device.items(), key=lambda kv: kv[1][1], reverse=True)[:top],
               "host": sorted(host.items(), key=lambda kv: kv[1][0], reverse=True)[:top]}
     return {"wall_s": wall_s, "device_busy_s": device_s, "device_busy_share": device_s / wall_s if wall_s else 0.0,
-            "top_device": [{"op": k, "calls": c, "device_s": ns / 1e9} for k, (c, ns) in ranked["device"]],
-            "top_host": [{"op": k, "calls": c, "host_s": ns / 1e9} for k, (c, ns) in ranked["host"]]}
+            # the device idle between its first and last work: how often and how long it waits on the host
+            "device_gaps": {"count": len(gaps), "total_s": sum(gaps) / 1e6,
+                            "longest_s": [g / 1e6 for g in sorted(gaps, reverse=True)[:3]]},
+            "top_device": [{"op": k, "calls": c, "device_s": us / 1e6} for k, (c, us) in ranked["device"]],
+            "top_host": [{"op": k, "calls": c, "host_s": us / 1e6} for k, (c, us) in ranked["host"]],
+            "skipped_device_s": {k: us / 1e6 for k, us in sorted(skipped.items(), key=lambda kv: -kv[1])[:top]}}
 
 
-def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> dict[str, Any]:
+def profiled(steps: int) -> Any:
+    """A torch.profiler for one warm-up step (the profiler's own start, not kept) and then `steps` recorded ones:
+    call its `step()` after each of the 1 + `steps`; `profile_summary(prof.events(), ...)` after the last."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+    return profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1))
+
+
+def _profile_start(worker: Any, steps: int) -> None:
+    """In a dhp actor (`__ray_call__`): start a `profiled` run that the next 1 + `steps` train steps go through."""
+    worker._bench_profiler = profiled(steps)
+    worker._bench_profiler.start()
+
+
+def _profile_step(worker: Any) -> None:
+    worker._bench_profiler.step()
+
+
+def _profile_stop(worker: Any, wall_s: float) -> dict[str, Any]:
+    """In a dhp actor: stop its profiler and hand back the small summary (not the events)."""
+    prof = worker._bench_profiler
+    del worker._bench_profiler
+    prof.stop()
+    began = time.perf_counter()
+    summary = profile_summary(prof.events(), wall_s)
+    return {**summary, "summary_s": time.perf_counter() - began}
+
+
+def profile_dhp(trainer: Any, batches: list[Any], steps: int) -> dict[str, dict[str, Any]]:
+    """`steps` more train steps (after a warm-up one) with torch.profiler in each pool's rank 0: a summary per
+    pool, each against the wall of the driver's steps."""
+    import ray
+
+    actors = {stage: pool.actors[0] for stage, pool in trainer.pools()}
+    ray.get([a.__ray_call__.remote(_profile_start, steps) for a in actors.values()])
+    wall = 0.0
+    for i in range(1 + steps):
+        start = time.perf_counter()
+        trainer.train_step(batches)
+        if i:  # the warm-up step is not recorded
+            wall += time.perf_counter() - start
+        ray.get([a.__ray_call__.remote(_profile_step) for a in actors.values()])
+    return dict(zip(actors, ray.get([a.__ray_call__.remote(_profile_stop, wall) for a in actors.values()])))
+
+
+def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
+            profile_steps: int = 0) -> dict[str, Any]:
     """dhp's steps on pre-built batches: median step, per-call medians, each actor's peak, the MFU peak, the
-    median bubble and the boundary's seconds per micro-batch over the measured steps."""
+    median bubble and the boundary's seconds per micro-batch over the measured steps; with `profile_steps`, that
+    many more steps under torch.profiler in each pool (`profile_dhp`)."""
     import ray
 
     from dhp.scripts.bench.time_model import global_batches, timed_steps
@@ -163,6 +229,8 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
                            for f in (_peak_bytes, _peak_reserved))
         peak = peak_of(cfg, trainer)
         boundary = boundary_seconds(e for e in trainer.traced_events() if e["step"] > 1)  # the warm-up is step 1
+        # after the measured steps, so the profiler's overhead is in none of them
+        profiles = profile_dhp(trainer, batches, profile_steps) if profile_steps else None
     finally:
         trainer.shutdown()
         if cfg.vision.num_gpus_per_actor:  # also after a failed run: the next system needs the device back
@@ -170,7 +238,7 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int) -> d
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
             "peak_reserved_bytes": reserved,
             "calls_s": calls, "peak_flops": peak.flops, "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
-            "boundary_s_per_microbatch": boundary, "batches": batches}
+            "boundary_s_per_microbatch": boundary, "batches": batches, **({"profile": profiles} if profiles else {})}
 
 
 def _boundaries(text: str) -> tuple[str, ...]:
@@ -194,7 +262,7 @@ def _system(boundary: str) -> str:
 def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
                     profile_steps: int = 0) -> dict[str, Any]:
     """The same steps as one transformers model in this process: median step and the process's peak; with
-    `profile_steps`, that many more steps under torch.profiler (`profile_summary`)."""
+    `profile_steps`, that many more steps under torch.profiler (`profiled`, `profile_summary`)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -237,20 +305,23 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
 
     times = [step(model, optimizer, batch) for _ in range(1 + steps)]
     peak, reserved = _peak_bytes(), _peak_reserved()
-    profiled = None
+    summary = None
     if profile_steps:  # after the measured steps, so the profiler's overhead is in none of them
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-        with profile(activities=activities) as prof:
-            wall = sum(step(model, optimizer, batch) for _ in range(profile_steps))
-        profiled = profile_summary(prof.profiler.kineto_results.events(), wall)
+        with profiled(profile_steps) as prof:
+            wall = 0.0
+            for i in range(1 + profile_steps):  # the first is the profiler's warm-up, not recorded
+                seconds = step(model, optimizer, batch)
+                wall += seconds if i else 0.0
+                prof.step()
+        began = time.perf_counter()
+        summary = profile_summary(prof.events(), wall)
+        summary = {"process": {**summary, "summary_s": time.perf_counter() - began}}
     del model, optimizer, batch
     gc.collect()  # before the cache is emptied: what a reference cycle still holds is not free to give back
     if cuda:
         torch.cuda.empty_cache()
     return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": {"process": peak},
-            "peak_reserved_bytes": {"process": reserved}, **({"profile": profiled} if profiled else {})}
+            "peak_reserved_bytes": {"process": reserved}, **({"profile": summary} if summary else {})}
 
 
 def choose_precision(base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None,
@@ -302,8 +373,10 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
             "model": model or "tiny", "precision": precision, "device_gib": device_gib,
             "microbatches": microbatches, "steps": steps}
     started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if started:  # a running Ray where RAY_ADDRESS names one (scripts/gpu_session.sh starts one for its steps)
+        address = os.environ.get("RAY_ADDRESS")
+        ray.init(**({"address": address} if address else {"num_cpus": 4, "include_dashboard": False}),
+                 log_to_driver=False)
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -323,7 +396,8 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                         try:
                             dhps[boundary] = run_dhp(
                                 load_config(base, [*settings[side], f"model.precision={precision}",
-                                                   f"pipeline.boundary={boundary}"]), mc, sample, microbatches, steps)
+                                                   f"pipeline.boundary={boundary}"]), mc, sample, microbatches, steps,
+                                profile_steps if not dhps else 0)  # the first boundary's row is profiled
                         except Exception as e:  # a later transport (alpha in Ray) failing keeps the others' rows
                             if not dhps:  # the first boundary is the side's baseline: without it, no dhp row
                                 raise
@@ -382,11 +456,12 @@ def table(result: dict[str, Any]) -> str:
                      f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
                      f"{bubble} | {boundary} | {ratio} |")
     for r in result["rows"]:
-        if "profile" in r:
-            prof = r["profile"]
-            top = ", ".join(f"{o['op']} {o['device_s'] * 1e3:.0f} ms" for o in prof["top_device"][:3])
-            lines.append(f"\nprofiled {r['patches']} patches, {r['system']}: device busy "
-                         f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s; "
+        for process, prof in r.get("profile", {}).items():
+            top = ", ".join(f"{o['op'][:60]} {o['device_s'] * 1e3:.0f} ms" for o in prof["top_device"][:3])
+            who = r["system"] if process == "process" else f"{r['system']} {process}"
+            lines.append(f"\nprofiled {r['patches']} patches, {who}: device busy "
+                         f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s "
+                         f"({prof['device_gaps']['count']} gaps, {prof['device_gaps']['total_s'] * 1e3:.0f} ms); "
                          f"most device time: {top or 'none (no device)'}")
     for f in result.get("failed_boundaries", []):
         lines.append(f"\npipeline.boundary={f['boundary']} failed at {f['patches']} patches: {f['error'][:300]}")
@@ -398,7 +473,7 @@ def table(result: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     sides = [int(s) for s in args.sides.split(",")] if args.sides else None
 
-    def finished_side(partial: dict[str, Any]) -> None:  # what a time-limited device call keeps if cut off
+    def finished_side(partial: dict[str, Any]) -> None:  # what a time-limited GPU run keeps if cut off
         if args.json:
             write_json(args.json, partial)
         print(table(partial), flush=True)
@@ -423,8 +498,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up (default 20)")
     p.add_argument("--microbatches", type=int, default=2, help="one-image micro-batches per step (default 2)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="after the measured steps, run this many more of the one-process loop under torch.profiler "
-                        "and keep the device's busy share and the top operators in the JSON (default 0: none)")
+                   help="after the measured steps, run this many more (after one warm-up) of the one-process loop "
+                        "and of dhp (its first boundary) under torch.profiler, in dhp's vision and text actors "
+                        "each, and keep the device's busy share and the top operators in the JSON (default 0: none)")
     p.add_argument("--boundaries", default=("host",), type=_boundaries,
                    help="pipeline.boundary values to run dhp with, comma-separated, one row each (default host; "
                         "host,cuda_ipc on a GPU compares Ray's object store with CUDA IPC)")
