@@ -111,6 +111,12 @@ def build_dataset(
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-epoch execution plans are noise here
     # ... and so is its notice, once per loader process, that the progress bars are off (they are, on purpose).
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # Ray Data's memory advice ("uses 229 MiB per worker ... consider setting memory=") concerns memory requests,
+    # which dhp does not schedule by: preprocessing is sized by CPU share (data.preprocess_num_cpus) and its wait is
+    # measured by dhp itself (metrics' data_wait_s). On a console the advice only interleaves blocks with dhp's lines.
+    detectors = getattr(ctx, "issue_detectors_config", None)
+    if detectors is not None:
+        detectors.detectors = [d for d in detectors.detectors if d.__name__ != "HighMemoryIssueDetector"]
     # Small CPU requests: Ray Data's default of one CPU per task would wait forever on a small machine
     # whose CPUs are held by the stage actors.
     # Local files and s3:// objects alike: one pyarrow filesystem, which Ray pickles to the read tasks

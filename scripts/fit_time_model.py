@@ -1,7 +1,7 @@
-"""Fit the datasheet profiles' efficiency factors on the reference's two published rows, and the README's
-target table (`python -m dhp.scripts.fit_time_model [--table]`).
+"""Fit the datasheet profiles' efficiency factors on the reference's two published rows, and the
+target table of docs/planning.md (`python -m dhp.scripts.fit_time_model [--table]`).
 
-The reference (seeds/002, its Figure 2): Qwen2.5-VL-32B on one node of 8 x H100 SXM (NVLink), bf16, flash
+The reference (its published Figure 2): Qwen2.5-VL-32B on one node of 8 x H100 SXM (NVLink), bf16, flash
 attention 2, activation checkpointing, 512 text tokens per sample, micro-batch 1, global batch 8, no
 overlap between the modules (dhp: `pipeline.max_in_flight=1`), throughput = vision tokens (patches) per
 second for the whole job. Its three layouts in dhp's terms (`reference_config`):
@@ -40,7 +40,7 @@ REFERENCE: dict[int, dict[str, float | None]] = {
     16384: {"zero3": None, "tp": 18207.0, "sp_tp": 23600.0},
 }
 MATMUL_CAP = 0.75  # large bf16 GEMMs on an H100 reach about 3/4 of the datasheet's dense peak, not more
-LENGTHS = (1024, 4096, 9216, 16384, 25600, 65536)  # the README table's rows (1 k .. 65 k)
+LENGTHS = (1024, 4096, 9216, 16384, 25600, 65536)  # the target table's rows (1 k .. 65 k)
 LAYOUTS = {
     "zero3": dict(vision=("zero3", 1), text=("zero3", 1), precision="bf16"),
     "tp": dict(vision=("tensor", 8), text=("tensor", 8), precision="bf16"),

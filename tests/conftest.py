@@ -212,3 +212,28 @@ def pytest_runtest_makereport(item, call):
     if meminfo.exists():
         parts.append("--- /proc/meminfo\n" + "".join(meminfo.read_text().splitlines(True)[:3]))
     report.sections.append(("Ray worker stderr during this test", "\n".join(parts) or "(none written)"))
+
+
+# The quick tier (`pytest -m "not slow"`) runs every module's own logic without a Ray cluster or a subprocess
+# bench. A test that uses the shared Ray is slow by its fixtures; a module that starts its own declares
+# `pytestmark = pytest.mark.slow`. The guard below makes a missing mark fail instead of slowing the quick tier.
+SLOW_FIXTURES = {"ray_session", "quick_ops_profile"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _quick_tests_start_no_ray(request, monkeypatch):
+    """In a test not marked slow, `ray.init` fails with the fix (tests/README.md says which tier is which)."""
+    if request.node.get_closest_marker("slow") is None:
+        import ray
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} starts Ray: mark it slow or use the ray_session fixture")
+
+        monkeypatch.setattr(ray, "init", refuse)
+    yield

@@ -72,7 +72,7 @@ def test_full_keeps_fewer_activations_and_the_same_gradients(stage):
 
 
 def test_bench_checkpointing_quick(tmp_path):
-    """The benchmark behind the README's table, on its quick size: `full` keeps several times fewer bytes
+    """The benchmark behind docs/layouts.md's table, on its quick size: `full` keeps several times fewer bytes
     after the forward than `none` in both stages, `every_n` in between (bytes only: times are not asserted)."""
     import json
 

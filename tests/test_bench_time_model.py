@@ -1,10 +1,10 @@
 """`dhp bench time-model`: the plan predicts the step times measured here, and the profile curves it relies on
 read as documented.
 
-The check (issue 16, item 3): this machine's profile is measured right before the steps (`run` without a
+The check: this machine's profile is measured right before the steps (`run` without a
 profile: `dhp bench ops --quick` sizes), then every configuration of the bench trains and its median step must
 be within `TOLERANCE` of the plan's prediction from that profile. It fails when the step-time model and the
-trainer drift apart. The profile is not the session's shared one: measured minutes earlier on a shared 2-core
+trainer drift apart. The profile is not the test session's shared one: measured minutes earlier on a shared 2-core
 machine (Ray's workers still booting, another test's processes), it put every ratio 20-30 % off in CI.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from dhp.models.planning.hardware import datasheet, profile
 from dhp.scripts.bench.time_model import CONFIGS, OVERSUBSCRIBED, TOLERANCE, run, table
 
-CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "ops_profile_cpu.json"
+CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "results" / "ops_profile_cpu.json"
 
 
 def test_plan_predicts_every_measured_step_within_tolerance(ray_session):

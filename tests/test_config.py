@@ -74,7 +74,7 @@ def test_tiny_is_the_default():
     assert cfg.model.name == "tiny"
     assert cfg.model.path is None
     assert cfg.model.dtype == "float32"
-    # the mission's layout: vision sequence parallel 2, text tensor parallel 2, pipelined
+    # the default layout: vision sequence parallel 2, text tensor parallel 2, pipelined
     assert (cfg.vision.parallelism, cfg.vision.num_actors, cfg.vision.degree) == ("sequence", 2, 2)
     assert (cfg.text.parallelism, cfg.text.num_actors, cfg.text.degree) == ("tensor", 2, 2)
     assert cfg.pipeline.max_in_flight == 3

@@ -1,8 +1,8 @@
 """scripts/gpu_bundle.sh: the archive the GPU machine gets unpacks into an importable tree under the carry limit.
 
-Built for this machine's Python (the device's cp312 wheels cannot load on 3.11), with the same packages, trims
-and compression as for the device; needs the package registries, as the README's setup does. DeepSpeed (the
-[peers] extra, installed by the README's setup) is in it: `dhp bench peers` runs on the device too.
+Built for this machine's Python (the GPU machine's cp312 wheels cannot load on 3.11), with the same packages,
+trims and compression as for the GPU machine; needs the package registries, as the README's setup does. DeepSpeed (the
+[peers] extra, installed by the README's setup) is in it: `dhp bench peers` runs on the GPU machine too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_bundle_unpacks_into_an_importable_tree_under_the_limit(tmp_path):
         assert modes[binary] & 0o111, f"{binary} lost its executable bit: {oct(modes[binary])}"
     assert not any("/jars/" in n or "/rllib/" in n or n.endswith(".map") for n in names)
 
-    site = tmp_path / "site"  # the README's device line, minus the editable install of dhp
+    site = tmp_path / "site"  # docs/gpu.md's line, minus the editable install of dhp
     site.mkdir()
     subprocess.run(["tar", "-xJf", str(archive), "-C", str(site)], check=True)
     # Ray's own processes (gcs_server, raylet) start from the tree: their executable bits survived the packing

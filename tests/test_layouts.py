@@ -96,7 +96,7 @@ def test_degree_checks_name_what_works():
 
 
 def test_no_layout_name_tests_outside_the_registry():
-    """Issue 11's count: workers, pools, trainer and scripts ask the layout object, never compare its name; the
+    """The count: workers, pools, trainer and scripts ask the layout object, never compare its name; the
     same for the placement (stages/placement_modes.py), the resume choice (checkpoint_files.ResumeFrom) and the
     checkpoint-error policy (TrainingConfig.stops_on_checkpoint_error)."""
     pattern = re.compile(r"parallelism\s*(==|!=|in\b|not in\b)|\blayout\s*(==|!=)\s*['\"]|\.zero3\b(?!\.)"
@@ -104,9 +104,9 @@ def test_no_layout_name_tests_outside_the_registry():
     allowed = {ROOT / "stages/config.py"}
     hits = []
     for folder in ("stages", "scripts", "models", "dataflow"):
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):  # subpackages too (models/parallel/, scripts/bench/, ...)
             if path in allowed:
                 continue
-            hits += [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            hits += [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
                      if pattern.search(line) and "import" not in line]
     assert hits == []

@@ -158,7 +158,7 @@ def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, ray_sessi
 
 
 def test_measure_build_script_on_the_tiny_model():
-    """The script behind the README's build-memory row, on the tiny shape in a fresh interpreter."""
+    """The script behind docs/models.md's build-memory rows, on the tiny shape in a fresh interpreter."""
     import json
     import subprocess
     import sys

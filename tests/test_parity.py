@@ -29,7 +29,7 @@ from tests.conftest import rel_err
 
 STEPS = 3
 # The layouts below are written relative to one vision and one text actor without parallelism (the
-# shipped default is the SP2 / TP2 mission layout).
+# shipped default is the SP2 / TP2 layout).
 BASE = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
         "text.parallelism=none", "text.num_actors=1", "text.degree=1"]
 SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
@@ -94,7 +94,7 @@ LAYOUTS = [
     (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"]
      + AC_FULL, [[[0], [2]], [[1]]]),
 ]
-# Fan-out and fan-in: vision and text replica counts differ (stages/routing.py). `replicas` are the text
+# Fan-out and fan-in: vision and text replica counts differ (models/parallel/routing.py). `replicas` are the text
 # replicas' micro-batches; the vision replicas take them by patch count.
 FAN_LAYOUTS = [
     # one SP-2 vision replica serving two TP-2 text replicas

@@ -1,4 +1,4 @@
-"""`dhp train` submitted as a Ray Job with the README's `ray job submit` command, to a real Ray head.
+"""`dhp train` submitted as a Ray Job with docs/training.md's `ray job submit` command, to a real Ray head.
 
 The head is started here (scripts/local_head.py): bound to 127.0.0.1 with its own ports, temp dir and
 token (token auth on), and at the end exactly that head is stopped, never `ray stop` (which would stop
@@ -114,7 +114,7 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     assert saved["training"]["steps"] == STEPS and saved["vision"]["parallelism"] == "sequence"
 
     info = client.get_job_info(sid)
-    # What the README warns about: env_vars are stored with the job, readable by anyone holding the token...
+    # What docs/training.md warns about: env_vars are stored with the job, readable by anyone holding the token...
     assert info.runtime_env["env_vars"]["AWS_SECRET_ACCESS_KEY"] == secret
     # ...but neither they nor the token end up in the job's output or the run directory.
     texts = [p for p in run_dir.rglob("*") if p.suffix in (".json", ".jsonl", ".yaml", ".txt", ".log")]
@@ -135,7 +135,7 @@ def _stop_and_check(head: LocalHead, tmp_path: Path) -> None:
     job_dir = tmp_path / "job2"
     job_dir.mkdir()
     shutil.copy(preset_path("tiny"), job_dir / "my_run.yaml")
-    # Ray's job supervisor waits 3 s between SIGTERM and SIGKILL unless told otherwise (README).
+    # Ray's job supervisor waits 3 s between SIGTERM and SIGKILL unless told otherwise (docs/training.md).
     runtime_env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                                 "RAY_JOB_STOP_WAIT_TIME_S": "120"}}
     run_dir = tmp_path / "runs" / "stopped"

@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, state: dict, cases: dict, done_dir
             assert rel_err(out, case["out"]) <= OUT_TOL, (name, rank, rel_err(out, case["out"]))
             (out * case["weights"]).sum().backward()
 
-            # invariant 2: the same all-to-alls on every rank, empty or not (2 per full-attention block)
+            # docs/design.md, invariant 2: the same all-to-alls on every rank, empty or not (2 per full-attention block)
             everyone = [None] * world
             dist.all_gather_object(everyone, len(calls), group=group)
             assert everyone == [2 * len(config.vision_config.fullatt_block_indexes)] * world, (name, everyone)

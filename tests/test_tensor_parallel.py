@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         # lr 1e-3 as in test_parity. Adam's first step is lr * g / (|g| + eps): on lm_head entries whose
         # gradient is ~eps (1e-8) a 1e-10 rounding difference (summation order) moves the parameter by ~lr * 1e-2;
         # measured 6.9e-6 at lr 1e-3 (6.9e-5 at lr 1e-2) on elements whose gradients are -4.2e-10 vs -3.5e-10,
-        # and 1.003e-5 on a fresh environment of 2026-11-23 (also at the commit before the layout objects):
+        # and 1.003e-5 on a fresh environment (also at the commit before the layout objects):
         # eps 1e-6, as test_parity uses, keeps that noise ~100x below the bound; gradients are compared above.
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
         opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)

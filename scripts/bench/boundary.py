@@ -8,7 +8,7 @@ for a shard of `rows` merged tokens x the text hidden size (7B: 3 584) in bf16, 
 Per format, the median seconds of that chain over `--reps` minus the same chain with an empty shard (Ray's
 call latency, not the boundary's), i.e. the time per micro-batch spent storing, fetching and copying the two
 tensors on the host:
-  tensor   what the pools sent until 2026-11-26: the torch tensor itself (torch's pickling inside Ray's)
+  tensor   what the pools sent before the wire format: the torch tensor itself (torch's pickling inside Ray's)
   wire     `stages/boundary.py`'s WireTensor: the bytes as a numpy array (one copy into the object store,
            none out of it) and the receiver's own copy (`from_wire`)
 Default rows: 256, 1 024 and 4 096 tokens, the 7B's merged tokens for images of 1 k, 4 k and 16 k patches.

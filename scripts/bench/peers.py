@@ -294,7 +294,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(args: argparse.Namespace) -> int:
     import ray
 
-    def finished_system(partial: dict[str, Any]) -> None:  # what a time-limited device call keeps if cut off
+    def finished_system(partial: dict[str, Any]) -> None:  # what a time-limited GPU run keeps if cut off
         if args.json:
             write_json(args.json, partial)
 
