@@ -107,6 +107,7 @@ def test_no_layout_name_tests_outside_the_registry():
         for path in (ROOT / folder).rglob("*.py"):  # subpackages too (models/parallel/, scripts/bench/, ...)
             if path in allowed:
                 continue
-            hits += [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            lines = enumerate(path.read_text().splitlines(), 1)
+            hits += [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for i, line in lines
                      if pattern.search(line) and "import" not in line]
     assert hits == []
