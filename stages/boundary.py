@@ -86,7 +86,7 @@ def from_wire(w: WireTensor, device: torch.device | str = "cpu") -> torch.Tensor
 def assemble(shards: list[torch.Tensor], merged_index: torch.Tensor | None) -> torch.Tensor:
     """Differentiable: k window-ordered shards [n_j, D] -> [N, D] in raster order."""
     flat = torch.cat(shards) if len(shards) > 1 else shards[0]
-    if merged_index is None or __import__("os").environ.get("DHP_TMP_SKIP_INVERSE"):
+    if merged_index is None:
         return flat
     return flat.new_empty(flat.shape).index_copy(0, merged_index.to(flat.device), flat)
 
