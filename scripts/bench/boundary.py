@@ -66,7 +66,7 @@ def run(rows: tuple[int, ...] = ROWS, dim: int = DIM, reps: int = 20) -> dict[st
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     out = []
     try:
         for n in rows:

@@ -242,8 +242,8 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
     own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session) is reused and left running
     if own_ray:
         local_ray_on_loopback()
-        ray.init(num_cpus=2, object_store_memory=sizes["object_store_mb"] << 20, include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=2, object_store_memory=sizes["object_store_mb"] << 20,
+                 include_dashboard=False, log_to_driver=False)
     store_mb = ray.cluster_resources().get("object_store_memory", 0) / 2**20
     try:
         host, port = server.get_host_and_port()

@@ -72,7 +72,7 @@ def run(quick: bool) -> dict[str, Any]:
     size = QUICK if quick else FULL
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="dhp-bench-ft-") as tmp:
             config = bench_config()

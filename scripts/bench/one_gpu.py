@@ -375,8 +375,8 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
     started = not ray.is_initialized()
     if started:  # a running Ray where RAY_ADDRESS names one (scripts/gpu_session.sh starts one for its steps)
         address = os.environ.get("RAY_ADDRESS")
-        ray.init(**({"address": address} if address else {"num_cpus": 4, "include_dashboard": False}),
-                 log_to_driver=False)
+        local = {"address": "local", "num_cpus": 4, "include_dashboard": False}
+        ray.init(**({"address": address} if address else local), log_to_driver=False)
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:

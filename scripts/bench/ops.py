@@ -428,7 +428,7 @@ def measure_ray(quick: bool) -> dict[str, Any]:
     # A test session's Ray is reused and left running; one started here is ours to stop.
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         result = _ray_rates(ray, nbytes, quick)
     finally:

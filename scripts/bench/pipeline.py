@@ -347,7 +347,7 @@ def main(args=None) -> int:
             # which are not started here (the batch is built in this process); the pools take 1 CPU each
             # (the scaling scenario: 4 actors of 0.5).
             local_ray_on_loopback()
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:
             batch = global_batch(samples[:preset["microbatches"]])
             chosen = args.scenario or [*SCENARIOS, "vision_bound_scaling"]

@@ -141,7 +141,7 @@ def run(profile_path: str | None, quick: bool, steps: int | None = None,
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             if profile_path is None:
