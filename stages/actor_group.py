@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dhp.models.parallel.layout import pool_ranks
 from dhp.stages import rendezvous
+from dhp.stages.progress import Progress, tracked
 
 
 class DistributedWorker:
@@ -26,10 +27,13 @@ class DistributedWorker:
     Stage calls run one at a time in the actor's default concurrency group; `heartbeat` runs in its own
     ("health", one thread), so it answers while a call computes or waits in a collective, and only a process
     that cannot run at all (stopped, deadlocked holding the GIL, gone) leaves it unanswered (stages/watchdog.py).
+    It answers with `progress` (stages/progress.py): how far the current call has got, so a slow call that moves
+    is told from one that stands still.
     """
 
     def __init__(self, rank: int, world_size: int, torch_threads: int = 1):
         self.rank, self.world_size = rank, world_size
+        self.progress = Progress()
         torch.set_num_threads(max(1, torch_threads))
         if torch.cuda.is_available() and ray.get_gpu_ids():
             self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
@@ -64,8 +68,8 @@ class DistributedWorker:
         return self.rank
 
     @ray.method(concurrency_group="health")
-    def heartbeat(self) -> int:
-        return os.getpid()
+    def heartbeat(self) -> dict[str, Any]:
+        return self.progress.snapshot()
 
     def where(self) -> dict[str, Any]:
         """Node, process and devices of this actor, for the start-up placement summary."""
@@ -106,7 +110,7 @@ class ActorGroup:
         self.name, self.degree, self.dp = name, degree, num_actors // degree
         self.ledger = ledger if ledger is not None else CallLedger()
         rdt = {"enable_tensor_transport": True} if tensor_transport else {}
-        remote_cls = ray.remote(concurrency_groups={"health": 1}, **rdt)(worker_cls)
+        remote_cls = ray.remote(concurrency_groups={"health": 1}, **rdt)(tracked(worker_cls))  # calls mark progress
 
         def options(rank: int) -> dict[str, Any]:
             if placement is None:

@@ -150,9 +150,12 @@ class TrainingConfig:
     checkpoint_every: int = 0  # steps between checkpoints (RUN_DIR/checkpoints/step_N); 0 = only at the end
     keep_last: int = 3  # checkpoints kept (older ones deleted); 0 = keep all
     max_restarts: int = 2  # times a run rebuilds its pools after a fault (a dead actor or node, a hang), then fails
-    # seconds a step may take before its ranks are declared hung (stages/watchdog.py); 0 = auto: 10 x the median
-    # step so far, at least 120 s (the first step of an attempt: 1800 s, it includes warm-up)
+    # seconds a step may take before its ranks are looked at; then a rank whose call stands still this long (no
+    # block forward or backward, no gradient-sync bucket) is declared hung, one that moves never is
+    # (stages/watchdog.py); 0 = auto: 10 x the median step so far x this batch's work (its patches and tokens as
+    # FLOPs) over the median step's, at least step_timeout_min_s (the first step of an attempt: 1800 s, warm-up)
     step_timeout_s: float = 0.0
+    step_timeout_min_s: float = 120.0  # the least automatic step_timeout_s, once step times are known
     preempt_grace_s: float = 30.0  # after SIGTERM/SIGINT: finish the step and checkpoint within this (warned if not)
     on_checkpoint_error: Literal["continue", "stop"] = "continue"  # a failed save: retry at the next interval, or stop
     rebuild_timeout_s: float = 300.0  # after a fault: how long to wait for the cluster to offer the pools' resources
@@ -368,8 +371,8 @@ def validate(config: Config) -> None:
         (bool(d.webdataset.caption.strip()), "data.webdataset.caption must name `txt` or a field of the .json member"),
         (min(t.checkpoint_every, t.keep_last, t.max_restarts) >= 0,
          "training.checkpoint_every, keep_last and max_restarts must be >= 0"),
-        (min(t.step_timeout_s, t.preempt_grace_s, t.rebuild_timeout_s) >= 0,
-         "training.step_timeout_s, preempt_grace_s and rebuild_timeout_s must be >= 0"),
+        (min(t.step_timeout_s, t.step_timeout_min_s, t.preempt_grace_s, t.rebuild_timeout_s) >= 0,
+         "training.step_timeout_s, step_timeout_min_s, preempt_grace_s and rebuild_timeout_s must be >= 0"),
         (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),
     ]
     for stage in ("vision", "text"):

@@ -113,8 +113,9 @@ def train(cfg: Config) -> dict[str, Any]:
     started_ray = not ray.is_initialized()
     init_ray(cfg)
     faults: list[dict[str, Any]] = []
-    clock = StepClock(cfg.training.step_timeout_s)  # step deadlines, learned across restarts (watchdog.py)
+    clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)  # learned across restarts
     preemption = Preemption(cfg.training.preempt_grace_s)
+    way = None  # how the last fault failed (`_way`)
     try:
         with preemption.installed():
             while True:  # one pass per attempt: a fault costs a rebuild and a resume, not the run
@@ -134,7 +135,11 @@ def train(cfg: Config) -> dict[str, Any]:
                     kind = fault_kind(e, trainer)
                     if kind is None:
                         raise
-                    faults.append({"kind": kind, "detected_at": time.time(), "error": _one_line(e)})
+                    step = trainer.step if trainer is not None else None
+                    faults.append({"kind": kind, "step": step, "detected_at": time.time(), "error": _one_line(e)})
+                    way, last_way = _way(kind, step, e), way
+                    if way == last_way:  # a restart did not get past it: it would fail there again and again
+                        raise TrainingFailed(_repeated(faults[-2], faults[-1], len(faults) - 1)) from None
                     if len(faults) > cfg.training.max_restarts:
                         raise TrainingFailed(
                             f"{kind} and training.max_restarts={cfg.training.max_restarts} restarts are used up; "
@@ -159,6 +164,24 @@ def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
 
 class TrainingFailed(RuntimeError):
     """The run cannot continue (restarts used up); the message says why, for a one-line CLI error."""
+
+
+def _way(kind: str, step: int | None, error: Exception) -> tuple:
+    """How a fault failed, to tell a repeat: its kind, the step the trainer was at and, for a hang, the ranks named
+    and their calls (a restarted rank has another pid, so that is not part of it)."""
+    return kind, step, tuple(sorted(error.ranks)) if isinstance(error, StepHung) else ()
+
+
+def _repeated(first: dict[str, Any], again: dict[str, Any], restarts: int) -> str:
+    """The one line that stops a run whose step failed the same way after a restart."""
+    where = f"step {first['step']}" if first["step"] is not None else "the start-up"
+
+    def at(fault: dict[str, Any]) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(fault["detected_at"]))
+
+    return (f"{where} failed the same way after restart {restarts}, so it would again: {first['kind']} both times, "
+            f"at {at(first)} ({first['error']}) and at {at(again)} ({again['error']}); stopping instead of "
+            f"restarting up to training.max_restarts times")
 
 
 def _one_line(e: Exception) -> str:

@@ -37,3 +37,17 @@ def save_fault(stage: str, rank: int, staging: Path) -> None:
         os._exit(1)
     code = errno.ENOSPC if kind == "enospc" else errno.EACCES
     raise OSError(code, os.strerror(code), str(staging / f"{stage}-rank{rank}"))
+
+
+def never_join(module: str, collective: str) -> None:
+    """A test hook, run in a stage actor (`handle.__ray_call__`): from now on this rank never joins the collective
+    `collective` of `module` (e.g. dhp.models.parallel.sequence_parallel's all_to_all_single_autograd): the call
+    waits forever instead, while the process runs on and answers its heartbeats, and its peers wait in the
+    collective. What the step watchdog must name as a hang, not take for a slow step (stages/watchdog.py)."""
+    import importlib
+    import threading
+
+    def never(*args: object, **kwargs: object) -> None:
+        threading.Event().wait()
+
+    setattr(importlib.import_module(module), collective, never)

@@ -149,6 +149,7 @@ class StageWorker(DistributedWorker):
         self.adapt()
         self.activation_checkpointing = ActivationCheckpointing.of(self.stage_cfg)
         self.activation_checkpointing.apply(self.model.blocks())
+        self.progress.watch(self.model.blocks())  # the heartbeat's progress (stages/progress.py)
         self.optimizer = self.scheduler = None  # a frozen stage: no optimizer state at all
         if self.trains:
             self.optimizer, self.scheduler = build_optimizer(
@@ -235,6 +236,7 @@ class StageWorker(DistributedWorker):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for bucket in _buckets([p.grad for p in params], SYNC_BUCKET_BYTES):
+            self.progress.move("gradient sync")  # (the bucket before this one completed)
             if len(bucket) == 1 and bucket[0].is_contiguous():
                 dist.all_reduce(bucket[0], group=group)
                 continue

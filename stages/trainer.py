@@ -28,6 +28,7 @@ from dhp.models.parallel.checks import check_layout, replicas
 from dhp.models.parallel.layouts import stage_layout
 from dhp.models.parallel.routing import route
 from dhp.models.parallel.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
+from dhp.models.planning.flops import step_flops
 from dhp.models.weights.export import export_hf, write_meta
 from dhp.stages.actor_group import CallLedger
 from dhp.stages.checkpoint_files import commit, staging_dir
@@ -86,7 +87,7 @@ class Trainer:
             records=records,  # JSONL or WebDataset shards (dataflow/sources.py)
         )
         check_resources(cfg, wait_s)
-        self.clock = clock or StepClock(cfg.training.step_timeout_s)
+        self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
         self.clock.new_attempt()
         self.ledger = CallLedger()  # which call each stage rank is in (for the hang report)
         self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
@@ -214,7 +215,7 @@ class Trainer:
     def train_step(self, batches: list[GlobalBatch]) -> dict[str, Any]:
         self.step += 1
         self.ledger.clear()  # the last step's calls all finished (its optimizer step waited on every rank)
-        self.clock.start()
+        self.clock.start(work=step_flops(self.model_config, [mb.meta for b in batches for mb in b.microbatches]))
         start, wall_start = time.perf_counter(), time.time()
         loss = self.accumulate(batches)
         grad_norm, lrs = self.optimizer_step()
