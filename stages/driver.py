@@ -21,6 +21,7 @@ from dhp.stages.checkpoint_files import Newest, latest_valid, resume_from
 from dhp.stages.config import Config, ConfigError, one_line, save_config
 from dhp.stages.node_probe import lost_nodes
 from dhp.stages.preemption import Preempted, Preemption
+from dhp.stages.step_ledger import StepInvariantError
 from dhp.stages.watchdog import DataStalled, StepClock, StepHung
 
 
@@ -131,6 +132,8 @@ def train(cfg: Config) -> dict[str, Any]:
                         "step": p.step, "checkpoint": str(p.checkpoint) if p.checkpoint else None,
                         "signal": p.signal_name}, "restarts": faults})
                     raise
+                except StepInvariantError as e:  # a gradient that went nowhere: a bug, not retried; one line
+                    raise TrainingFailed(one_line(getattr(e, "cause", e))) from None  # (an actor's: Ray's wrapper)
                 except Exception as e:  # noqa: BLE001 (sorted out below: only a fault of the cluster is retried)
                     kind = fault_kind(e, trainer)
                     if kind is None:
@@ -163,7 +166,8 @@ def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
 
 
 class TrainingFailed(RuntimeError):
-    """The run cannot continue (restarts used up); the message says why, for a one-line CLI error."""
+    """The run cannot continue (restarts used up, or a step whose forwards and backwards do not match); the message
+    says why, for a one-line CLI error."""
 
 
 def _way(kind: str, step: int | None, error: Exception) -> tuple:

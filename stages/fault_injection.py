@@ -7,16 +7,25 @@ file, once per run (a marker file in the checkpoint root remembers it fired):
   die     the rank's process exits at once, mid-save (as if its node lost power)
 The variable is read by the stage actors, so it must be in their environment (a local Ray started by the
 driver inherits the driver's).
+
+DHP_INJECT_MISROUTE=1, read by the driver, sends each vision backward to the next vision replica instead of
+the one that encoded its micro-batch (`misrouted`): a gradient that goes nowhere, which the ranks' step
+ledgers must stop the run on (stages/step_ledger.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import re
 from pathlib import Path
+from typing import Any
+
+from dhp.models.parallel.schedule import VISION_BACKWARD
 
 VARIABLE = "DHP_INJECT_FAULT"
+MISROUTE = "DHP_INJECT_MISROUTE"
 _SPEC = re.compile(r"^(enospc|eacces|die)@(vision|text):(\d+):(\d+)$")
 _STEP = re.compile(r"step_(\d+)$")
 
@@ -37,6 +46,16 @@ def save_fault(stage: str, rank: int, staging: Path) -> None:
         os._exit(1)
     code = errno.ENOSPC if kind == "enospc" else errno.EACCES
     raise OSError(code, os.strerror(code), str(staging / f"{stage}-rank{rank}"))
+
+
+def misrouted(calls: list[Any], num_vision: int) -> list[Any]:
+    """The routing's calls (models/parallel/routing.py), each vision backward moved to the next vision replica
+    when DHP_INJECT_MISROUTE=1 (with one replica nothing moves); else `calls` as they are. Meant for a pool that
+    is not lockstep: a lockstep pool's padding has the same id on every replica, so a moved one would run."""
+    if os.environ.get(MISROUTE, "") != "1":
+        return calls
+    return [dataclasses.replace(c, members=tuple(((r + 1) % num_vision, k) for r, k in c.members))
+            if c.kind == VISION_BACKWARD else c for c in calls]
 
 
 def never_join(module: str, collective: str) -> None:

@@ -65,6 +65,10 @@ class StagePool(ActorGroup):
     def optimizer_step(self, clip_coef: float) -> list[ray.ObjectRef]:
         return self.execute_all_async("optimizer_step", clip_coef)
 
+    def close_global_batch(self) -> list[ray.ObjectRef]:
+        """Each rank's broken step invariants (a list of lines, empty when none): stages/step_ledger.py."""
+        return self.execute_all_async("close_global_batch")
+
     def _crossing(self, method: Any) -> Any:
         """An actor method whose return value crosses to the other pool, under the boundary's Ray transport."""
         return method.options(tensor_transport=self.transport.ray_transport) if self.transport.direct else method

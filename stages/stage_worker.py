@@ -35,6 +35,7 @@ from dhp.stages.actor_group import DistributedWorker
 from dhp.stages.checkpoint_files import file_entry
 from dhp.stages.config import Config
 from dhp.stages.fault_injection import save_fault
+from dhp.stages.step_ledger import StepLedger
 from dhp.stages.trace import EventRecorder
 
 
@@ -127,6 +128,8 @@ class StageWorker(DistributedWorker):
         super().__init__(rank, world_size, torch_threads)
         self.cfg, self.model_config = cfg, model_config
         self.stage_cfg = getattr(cfg, self.stage)
+        # one backward for every forward of a global batch (stages/step_ledger.py)
+        self.step_ledger = StepLedger(self.stage, rank // self.stage_cfg.degree, rank)
 
     def setup(self) -> None:
         """Build this rank's part of the stage (models/stage_build.py: on `meta`, laid out, only its own tensors
@@ -281,6 +284,12 @@ class StageWorker(DistributedWorker):
         events = self.recorder.drain()
         self.recorder.step = next_step
         return events
+
+    def close_global_batch(self) -> list[str]:
+        """Asked of every rank of both pools before each optimizer step (stages/trainer.py): this global batch's
+        forwards left without their backward and backwards that found no forward on this rank, one line each
+        (none: every forward had its one backward; stages/step_ledger.py). The next global batch starts clean."""
+        return self.step_ledger.close()
 
     @recorded("optimizer_step")
     def optimizer_step(self, clip_coef: float) -> dict[str, float]:

@@ -22,10 +22,6 @@ from dhp.stages.stage_worker import StageWorker, recorded
 class TextWorker(StageWorker):
     stage = "text"
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.outgoing: dict[int, dict[int, torch.Tensor]] = {}  # mb_id -> shard j -> its gradient, until `gradient`
-
     def build_model(self, model_config: Any) -> TextModel:
         return TextModel(model_config)
 
@@ -109,6 +105,7 @@ class TextWorker(StageWorker):
         it was split into replicas and micro-batches. `shards` are the vision ranks' outputs (boundary.py).
         The backward's collectives do not depend on `send_grads`: they run on every rank either way.
         """
+        self.step_ledger.forwarded(mb_id)  # a second call for one micro-batch raises, before any collective
         if inputs is None:  # padding for a lockstep (ZeRO-3) replica: no data, every collective
             inputs, loss_scale = self._null_inputs(), 0.0
         with self.moving():
@@ -119,10 +116,15 @@ class TextWorker(StageWorker):
         if measuring and self._measured:  # + what the decoder's own hooks did not see: embeddings, logits, loss
             self._measured[-1]["step_bytes"] = self._measured[-1]["bytes"] + outside.total
         loss.backward()
-        if not send_grads:
+        if send_grads and self.transport.direct:  # shard j -> its gradient, until `gradient` sends it
+            left = dict(enumerate(shard_gradients(received)))
+            if left:
+                self.step_ledger.keep(mb_id, left)
+            else:
+                self.step_ledger.backward(mb_id)
             return float(loss.detach())
-        if self.transport.direct:
-            self.outgoing[mb_id] = dict(enumerate(shard_gradients(received)))
+        self.step_ledger.backward(mb_id)  # nothing of it left to send
+        if not send_grads:
             return float(loss.detach())
         with self.moving():
             return (float(loss.detach()), *[self.transport.send(g) for g in shard_gradients(received)])
@@ -130,11 +132,15 @@ class TextWorker(StageWorker):
     @recorded("gradient")
     def gradient(self, mb_id: int, j: int) -> torch.Tensor:
         """d loss / d shard j of micro-batch `mb_id`, kept by its `forward_backward` (Ray Direct Transport
-        boundary: the pool asks once per shard, right after that call)."""
-        left = self.outgoing[mb_id]
+        boundary: the pool asks once per shard, right after that call). Raises if this rank holds no such gradient
+        (stages/step_ledger.py)."""
+        left = self.step_ledger.owe(mb_id, f"the gradient of shard {j} of")
+        if not left or j not in left:
+            self.step_ledger.fail(f"the gradient of shard {j} of micro-batch {mb_id}, which this rank does not hold "
+                                  f"(sent already, or no such shard; held: {sorted(left or [])})")
         g = left.pop(j)
         if not left:
-            del self.outgoing[mb_id]
+            self.step_ledger.backward(mb_id)  # every shard's gradient is sent: nothing owed
         return self.transport.send(g)  # no copy: it stays on the device (not timed as one)
 
     @torch.no_grad()

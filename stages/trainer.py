@@ -33,10 +33,12 @@ from dhp.models.weights.export import export_hf, write_meta
 from dhp.stages.actor_group import CallLedger
 from dhp.stages.checkpoint_files import commit, staging_dir
 from dhp.stages.config import Config, save_config
+from dhp.stages.fault_injection import misrouted
 from dhp.stages.placement import LOADER_CPUS, check_resources, describe, place_pools
 from dhp.stages.pools import TextPool, VisionPool
 from dhp.stages.resume_checks import check_positions, check_resumable
 from dhp.stages.stage_worker import clip_coefficient
+from dhp.stages.step_ledger import StepInvariantError
 from dhp.stages.text_worker import TextWorker
 from dhp.stages.trace import STEP_TAIL, busy_fractions, with_ray_transfers, write_chrome_trace
 from dhp.stages.vision_worker import VisionWorker
@@ -128,6 +130,7 @@ class Trainer:
         print(describe(self.placement, self.where), flush=True)
         self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
         self.step = 0
+        self._backwards: list[ray.ObjectRef] = []  # the vision backwards since the last optimizer step
         self._eval_batches: list[GlobalBatch] | None = None
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):
@@ -170,6 +173,7 @@ class Trainer:
         mbs = [list(b.microbatches) for b in batches]
         calls = route([[mb.meta.patches for mb in m] for m in mbs], self.vision.dp, self.vision.layout.lockstep,
                       self.text.layout.lockstep, self.cfg.pipeline.max_in_flight)
+        calls = misrouted(calls, self.vision.dp)  # as routed, unless a test plants a fault (fault_injection.py)
         ids = {key: n for n, key in enumerate((t, i) for t, m in enumerate(mbs) for i in range(len(m)))}
         shards, grads, losses = {}, {}, []  # refs in flight: key -> vision output shards / their gradients
         submit_start = time.perf_counter()
@@ -189,7 +193,7 @@ class Trainer:
                     if key and self.vision.trains:
                         grads[key] = g
                 elif self.vision.trains:  # a frozen vision pool kept no graph: nothing to send back
-                    self.vision.backward(replica, mb_id, grads.pop(key) if key else [])
+                    self._backwards += self.vision.backward(replica, mb_id, grads.pop(key) if key else [])
         # Driver-side cost of scheduling (everything above is non-blocking submission), per micro-batch.
         self.submit_s_per_microbatch = (time.perf_counter() - submit_start) / max(1, len(ids))
         return sum(self._get([loss for loss in losses if loss is not None], f"step {self.step}"))
@@ -200,17 +204,39 @@ class Trainer:
 
     def optimizer_step(self) -> tuple[float, dict[str, float]]:
         """Sum gradients over replicas, clip by the global norm over the pools that train, step.
-        -> (norm, the LR each trained module used: models/fine_tuning.py)."""
+        -> (norm, the LR each trained module used: models/fine_tuning.py).
+
+        First every rank of both pools says whether each micro-batch it forwarded in the global batch had its one
+        backward (stages/step_ledger.py); if not, `StepInvariantError` names what is missing and no rank sums or
+        steps (the driver fetches the answers before any rank enters a collective: none waits on another)."""
+        what = f"step {self.step} (optimizer)"
+        self._check_ledgers(what)
         trained = [pool for _, pool in self.pools() if pool.trains]
         for pool in trained:
             pool.sync_grads()  # ordered before grad_sq_norm on each actor
-        what = f"step {self.step} (optimizer)"
         grad_norm = math.sqrt(sum(self._get([ref for pool in trained for ref in pool.grad_sq_norm()], what)))
         coef = clip_coefficient(grad_norm, self.cfg.training.max_grad_norm)
         lrs: dict[str, float] = {}
         for per_rank in self._get([ref for pool in trained for ref in pool.optimizer_step(coef)], what):
             lrs.update(per_rank)
         return grad_norm, lrs
+
+    def _check_ledgers(self, what: str) -> None:
+        """Every rank's step ledger (stages/step_ledger.py) closed; `StepInvariantError` with all their lines if
+        any is broken. Each rank answers after its backwards, so these are done too: one that failed for another
+        reason raises here instead of passing unseen."""
+        backwards, self._backwards = self._backwards, []
+        ledgers = [ref for _, pool in self.pools() for ref in pool.close_global_batch()]
+        broken = [line for lines in self._get(ledgers, what) for line in lines]
+        if broken:
+            for ref in backwards:  # read the failed ones (their lines are above), or Ray prints each as unhandled
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError:
+                    pass
+            raise StepInvariantError(f"step {self.step}: not every forward of the global batch had its one backward, "
+                                     f"so no optimizer step: {'; '.join(broken)}")
+        self._get(backwards, what)
 
     def train_step(self, batches: list[GlobalBatch]) -> dict[str, Any]:
         self.step += 1

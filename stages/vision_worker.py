@@ -22,10 +22,6 @@ from dhp.stages.stage_worker import StageWorker, recorded
 class VisionWorker(StageWorker):
     stage = "vision"
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.pending: dict[int, torch.Tensor] = {}  # micro-batch id -> embeddings with their graph
-
     def build_model(self, model_config: Any) -> VisionModel:
         return VisionModel(model_config)
 
@@ -58,15 +54,17 @@ class VisionWorker(StageWorker):
         if measuring:
             patches = int(inputs["image_grid_thw"].prod(-1).sum())  # the replica's, also under SP
             self._measured.append({"patches": patches, "bytes": saved.total})
-        if embeds.requires_grad:
-            self.pending[mb_id] = embeds
+        if self.trains:  # a frozen encoder gets no backward (nor any gradient to lose)
+            # the embeddings with their graph until the backward; None: a text-only micro-batch, nothing to encode
+            self.step_ledger.forwarded(mb_id, embeds if embeds.requires_grad else None)
         with self.moving():  # in the dtype it was computed in: bf16 under autocast, half fp32's bytes to move
             return self.transport.send(embeds)  # [n, D]: bytes on the host, or the GPU tensor (stages/boundary.py)
 
     @recorded("backward")
     def backward(self, mb_id: int, grad: WireTensor | torch.Tensor | None) -> int:
         """grad None: a padding micro-batch, whose (placeholder) output got no gradient: zeros."""
-        embeds = self.pending.pop(mb_id, None)  # None: a text-only micro-batch had nothing to encode
+        # raises if this rank never encoded `mb_id` (a gradient sent to the wrong rank): stages/step_ledger.py
+        embeds = self.step_ledger.backward(mb_id)  # None: a text-only micro-batch had nothing to encode
         if embeds is not None:
             # Even an empty SP shard runs its backward: its graph holds the all-to-alls the other ranks
             # of the replica are about to join (invariant 2).

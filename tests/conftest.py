@@ -80,9 +80,14 @@ def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
 
 @pytest.fixture(scope="session")
 def parity_data(tmp_path_factory) -> Path:
-    """Two images of different sizes: a two-image multi-turn conversation, a one-image and a text-only sample."""
+    """Two images of different sizes: a two-image multi-turn conversation, a one-image and a text-only sample.
+
+    A window of the vision encoder is 112 px (8 x 8 patches of 14 px). Image a is 30 x 34 patches: 4 x 5 windows,
+    the last row and column partial (6 and 2 patches), so that a missing inverse window permutation at the
+    boundary (tokens left in window order) moves the first step's loss by 2.2e-5 relative under sp2-tp2, 20x the
+    parity tests' 1e-6 (an 8 x 10-patch image, two windows, moves it by 5e-6). Image b fits inside one window."""
     root = tmp_path_factory.mktemp("parity_data")
-    write_image(root / "images/a.png", (150, 100), seed=1)  # 112 x 140 after smart_resize
+    write_image(root / "images/a.png", (476, 420), seed=1)  # 420 x 476 px after smart_resize: 30 x 34 patches
     write_image(root / "images/b.png", (60, 90), seed=2)  # smaller: fewer patches than a window
     records = [
         {
@@ -128,7 +133,7 @@ def parity_setup(tmp_path_factory, parity_data):
     ref = Qwen2_5_VLForConditionalGeneration(model_config).float().train()
     ckpt = tmp_path_factory.mktemp("ckpt")
     ref.save_pretrained(ckpt)
-    settings = PreprocessSettings(str(parity_data), min_pixels=56 * 56, max_pixels=224 * 224, max_seq_len=1024)
+    settings = PreprocessSettings(str(parity_data), min_pixels=56 * 56, max_pixels=448 * 448, max_seq_len=1024)
     pre = Preprocessor(settings, model_config)
     lines = (parity_data / "train.jsonl").read_text().splitlines()
     samples = [decode_sample(pre({"source": "t", "record": line})["sample"]) for line in lines]
