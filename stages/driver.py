@@ -7,6 +7,7 @@ requested before the current step runs, so preprocessing overlaps compute.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from contextlib import ExitStack
@@ -65,7 +66,13 @@ def init_ray(cfg: Config) -> None:
         from dhp.stages.rendezvous import local_ray_on_loopback
 
         local_ray_on_loopback()  # a local run listens on 127.0.0.1 only
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
+        # address="local": a Ray of its own, as `ray.address: null` promises; without it Ray joins the cluster a
+        # `ray start` on this machine last recorded, and waits minutes on it when that head is gone.
+        # Ray's notices at a local start (token auth is on, as dhp wants it; "Started a local Ray instance") are not
+        # the user's business: the console keeps dhp's own lines and Ray's warnings about the run itself.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True,
+                 logging_level=logging.WARNING)
 
 
 # model.attn_implementation -> (the module it imports, its package, how to install it), for those torch lacks

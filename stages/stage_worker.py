@@ -220,7 +220,7 @@ class StageWorker(DistributedWorker):
         rank of the group.
 
         A parameter that got no gradient on this rank (e.g. a replica whose micro-batches held no image)
-        contributes zeros, so every rank all-reduces the same buffers (invariant 2: no data-dependent
+        contributes zeros, so every rank all-reduces the same buffers (docs/design.md, invariant 2: no data-dependent
         collectives).
         """
         import torch.distributed as dist

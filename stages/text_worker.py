@@ -37,7 +37,8 @@ class TextWorker(StageWorker):
             # embeddings, and its embedding output needs a gradient only on the TP rank that sends it back. The
             # decoder's input is made to require grad in every training forward, so every micro-batch (text-only
             # and padding ones included) runs the same backward on every rank, and with it the same TP / ZeRO-3
-            # collectives (invariant 2: a copy-to-region whose input needs no gradient skips its all-reduce).
+            # collectives (docs/design.md, invariant 2: a copy-to-region whose input needs no gradient skips
+            # its all-reduce).
             self.model.language_model.embed_tokens.register_forward_hook(_require_grad)
 
     def _measuring_changed(self, on: bool) -> None:
@@ -69,7 +70,7 @@ class TextWorker(StageWorker):
         """Two text tokens, the second labelled: runs every layer and lm_head; used with loss_scale 0.
 
         A ZeRO-3 replica that has run out of micro-batches still has to join the others' per-layer
-        all-gathers and reduce-scatters (invariant 2); its contribution to every gradient is exactly 0.
+        all-gathers and reduce-scatters (docs/design.md, invariant 2); its contribution to every gradient is exactly 0.
         """
         ids = torch.zeros(1, 2, dtype=torch.long)
         return {

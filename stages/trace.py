@@ -3,7 +3,7 @@
 Times are `time.time()` wall clock: actors are separate processes, and only the wall clock is comparable
 across them (on one node exactly; across nodes up to clock skew).
 
-The boundary's cost (issue 14: the time per micro-batch moving embeddings and their gradients between the
+The boundary's cost (the time per micro-batch moving embeddings and their gradients between the
 pools) has two parts. Inside a call, the device<->host copies of the crossing tensors: the actor adds them
 to the call's `copy_s` (`EventRecorder.add_copy`). Outside it, Ray's own work: deserializing the call's
 arguments (fetching the sender's tensors from the object store) before the body runs, and storing its

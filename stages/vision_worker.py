@@ -29,8 +29,8 @@ class VisionWorker(StageWorker):
         """One 28x28 image of zeros (4 patches, 1 merged token).
 
         Under a lockstep layout (ZeRO-3) a rank with no image in a micro-batch (or a padding micro-batch)
-        still has to join every block's all-gather and reduce-scatter (invariant 2): it encodes this, sends
-        nothing on and backpropagates zeros through it, so every gradient it adds is exactly 0.
+        still has to join every block's all-gather and reduce-scatter (docs/design.md, invariant 2): it
+        encodes this, sends nothing on and backpropagates zeros through it, so every gradient it adds is exactly 0.
         """
         v = self.model_config.vision_config
         patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
@@ -67,7 +67,7 @@ class VisionWorker(StageWorker):
         embeds = self.step_ledger.backward(mb_id)  # None: a text-only micro-batch had nothing to encode
         if embeds is not None:
             # Even an empty SP shard runs its backward: its graph holds the all-to-alls the other ranks
-            # of the replica are about to join (invariant 2).
+            # of the replica are about to join (docs/design.md, invariant 2).
             with self.moving():
                 grad = (torch.zeros_like(embeds) if grad is None
                         else self.transport.receive(grad, embeds.device).to(embeds.dtype))

@@ -231,14 +231,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(autouse=True)
-def _quick_tests_start_no_ray(request, monkeypatch):
-    """In a test not marked slow, `ray.init` fails with the fix (tests/README.md says which tier is which)."""
-    if request.node.get_closest_marker("slow") is None:
-        import ray
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In a test not marked slow, `ray.init` fails with the fix (tests/README.md says which tier is which): from
+    the setup of its fixtures, module-scoped ones included, to its teardown."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    import ray
 
-        def refuse(*args, **kwargs):
-            raise AssertionError(f"{request.node.nodeid} starts Ray: mark it slow or use the ray_session fixture")
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{item.nodeid} starts Ray: mark it slow or use the ray_session fixture")
 
-        monkeypatch.setattr(ray, "init", refuse)
-    yield
+    real, ray.init = ray.init, refuse
+    try:
+        yield
+    finally:
+        ray.init = real

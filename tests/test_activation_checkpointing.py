@@ -71,6 +71,7 @@ def test_full_keeps_fewer_activations_and_the_same_gradients(stage):
         torch.testing.assert_close(full_grads[n], g, rtol=0, atol=0, msg=n)
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_bench_checkpointing_quick(tmp_path):
     """The benchmark behind docs/layouts.md's table, on its quick size: `full` keeps several times fewer bytes
     after the forward than `none` in both stages, `every_n` in between (bytes only: times are not asserted)."""

@@ -21,6 +21,9 @@ KEYS = {
 }
 
 
+pytestmark = pytest.mark.slow  # the bench run once for the module: minutes on 2 cores
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "layouts.json"

@@ -16,6 +16,7 @@ from dhp.stages.checkpoint_files import commit, file_entry, verify
 from dhp.stages.cli import main
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_quick_bench_counts_match_the_layouts_and_a_measured_build(tmp_path, capsys):
     out = tmp_path / "memory.json"
     assert main(["bench", "memory", "--quick", "--json", str(out)]) == 0

@@ -25,6 +25,9 @@ POSITIVE = REQUIRED - {"scenario"} | {
 FRACTIONS = {f"{mode}_{k}" for mode in ("serial", "pipelined") for k in ("vision_busy", "text_busy", "bubble")}
 
 
+pytestmark = pytest.mark.slow  # the bench run once for the module: minutes on 2 cores
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "pipeline.json"

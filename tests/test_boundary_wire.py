@@ -97,6 +97,7 @@ def test_cuda_ipc_needs_both_pools_on_one_gpu():
         load_config("tiny", ["pipeline.boundary=nccl"])
 
 
+@pytest.mark.slow  # its own Ray in a subprocess
 def test_the_ray_direct_transport_path_trains_as_the_host_path(parity_setup, tmp_path):
     """`pipeline.boundary=cuda_ipc`'s calls (one return each, the shard gradients as `gradient` calls, RDT
     references passed actor to actor) with Ray's RDT machinery, on a CPU: only the mover is a stand-in

@@ -435,17 +435,20 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> 
         assert needle in lines[0]
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_cli_train_unknown_override_key(tmp_path):
     proc = _dhp("train", "training.stepz=1", cwd=tmp_path)
     _assert_one_line_error(proc, "training.stepz")
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # stopped before any work
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_cli_train_missing_config_file(tmp_path):
     proc = _dhp("train", "--config", "/nonexistent.yaml", cwd=tmp_path)
     _assert_one_line_error(proc, "/nonexistent.yaml")
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_cli_config_prints_resolved_yaml(tmp_path):
     proc = _dhp("config", "training.steps=3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -454,6 +457,7 @@ def test_cli_config_prints_resolved_yaml(tmp_path):
     assert printed["model"]["name"] == "tiny"
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_cli_data_synth(tmp_path):
     out = tmp_path / "ds"
     proc = _dhp("data", "synth", "--out", str(out), "--num", "6", "--seed", "1", cwd=tmp_path)

@@ -131,6 +131,7 @@ def _export_peak(tmp: str) -> None:
     sys.stdout.write(json.dumps({"largest": largest, "growth": rss("VmHWM:") - before, "pid": os.getpid()}) + "\n")
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_export_holds_one_full_tensor(tmp_path):
     """Measured, in a fresh process: exporting a TP4 checkpoint grows the peak resident set by the largest
     tensor plus the reader's row buffer (16 MiB), not by its parts plus the gathered whole (2x; 3x measured

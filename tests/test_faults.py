@@ -20,6 +20,8 @@ import pytest
 from dhp.scripts.bench.recovery import HANG_TIMEOUT_S, KINDS, epochs_exact, start_run
 from dhp.stages.checkpoint_files import verify
 
+pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
+
 STEPS, EVERY, AT = 8, 2, 3  # `--quick`: 8 steps, a checkpoint every 2, the fault after step 3
 
 

@@ -13,6 +13,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

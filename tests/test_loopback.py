@@ -11,6 +11,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
+
 PROBE = """
 import json, os
 import ray, torch

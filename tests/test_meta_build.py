@@ -157,6 +157,7 @@ def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, ray_sessi
     assert abs(loss - ref_loss) / ref_loss <= 1e-6, (loss, ref_loss)
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_measure_build_script_on_the_tiny_model():
     """The script behind docs/models.md's build-memory rows, on the tiny shape in a fresh interpreter."""
     import json

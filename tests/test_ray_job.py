@@ -21,12 +21,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from dhp.scripts.local_head import Listener, LocalHead, alive, start_head
 from dhp.stages.checkpoint_files import verify
 from dhp.stages.config import preset_path
+
+pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
 RAY = str(Path(sys.executable).with_name("ray"))
 STEPS = 4

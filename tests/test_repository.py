@@ -85,3 +85,23 @@ def test_nothing_points_outside_the_repository():
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in _tracked_text_files() if p != Path(__file__)
             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if "../shared" in line]
     assert hits == []
+
+
+def test_design_citations_resolve():
+    """Code cites docs/design.md by invariant number or by section title; each must exist there."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    invariants = set(re.findall(r"^(\d+)\. \*\*", design, re.M))
+    headings = set(re.findall(r"^#+ (.+)$", design, re.M))
+    bad = []
+    for path in _tracked_text_files():
+        if path == Path(__file__):
+            continue
+        text = " ".join(path.read_text(errors="replace").split())  # a citation may wrap; "# " of comments stays
+        text = text.replace(" # ", " ")
+        bad += [f"{path.relative_to(ROOT)}: invariant {n}"
+                for n in re.findall(r"docs/design\.md, invariants? (\d+)", text) if n not in invariants]
+        bad += [f"{path.relative_to(ROOT)}: {title!r}"
+                for title in re.findall(r"docs/design\.md, \"([^\"]+)\"", text) if title not in headings]
+        bad += [f"{path.relative_to(ROOT)}: DESIGN" for _ in re.findall(r"\bDESIGN(?:\.md)?\b", text)]
+    assert invariants == {"1", "2", "3", "4", "5"}
+    assert bad == []

@@ -222,6 +222,7 @@ def test_second_process_loads_from_cache(tok, cache_dir: Path, tmp_path: Path) -
     assert cold.returncode == 3, cold.stderr[-2000:]
 
 
+@pytest.mark.slow  # a subprocess or a measured bench run
 def test_concurrent_cold_builds_share_one_cache(tmp_path: Path) -> None:
     code = (
         "import sys; from dhp.dataflow.tokenizer import load_tokenizer as L; print(len(L(None, sys.argv[1])))"

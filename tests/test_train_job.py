@@ -14,8 +14,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 from transformers import Qwen2_5_VLForConditionalGeneration
+
+pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
 REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "grad_norm", "vision_busy", "text_busy",
             "bubble", "driver_ms_per_microbatch", "vision_tokens", "text_tokens", "model_tflops_per_s", "mfu"}
