@@ -37,7 +37,7 @@ class JsonStream:
             self.eof = True
             return False
         self.base += self.pos
-        self.buf, self.pos = self.buf[self.pos:] + data, 0
+        self.buf, self.pos = self.buf[self.pos :] + data, 0
         return True
 
     def error(self, msg: str) -> ConfigError:

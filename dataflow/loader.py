@@ -100,8 +100,13 @@ def small_blocks(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
 
 
 def build_dataset(
-    paths: list[str], settings: PreprocessSettings, model_config: Any, workers: int, num_cpus: float,
-    seed: int | None, reads: list[Read] | None = None,
+    paths: list[str],
+    settings: PreprocessSettings,
+    model_config: Any,
+    workers: int,
+    num_cpus: float,
+    seed: int | None,
+    reads: list[Read] | None = None,
 ) -> ray.data.Dataset:
     """The preprocessed rows of `reads` (`positions.Read`s of the epoch whose shuffle `seed` is; None: every file,
     whole), in order."""
@@ -126,15 +131,23 @@ def build_dataset(
     order = records.order(len(fs_paths), seed)
     reads = [Read(k) for k in range(len(fs_paths))] if reads is None else reads
     ds = ray.data.from_items([r.item(fs_paths[order[r.part]]) for r in reads])
-    split_args = {"seed": seed, "prefix": f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else "",
-                  **records.split_kwargs(fs)}
-    ds = ds.map_batches(split_batch, batch_size=1, fn_kwargs={"split": records.split, **split_args},
-                        num_cpus=SPLIT_CPUS)
+    split_args = {
+        "seed": seed,
+        "prefix": f"{scheme_of(paths[0])}://" if scheme_of(paths[0]) else "",
+        **records.split_kwargs(fs),
+    }
+    ds = ds.map_batches(
+        split_batch, batch_size=1, fn_kwargs={"split": records.split, **split_args}, num_cpus=SPLIT_CPUS
+    )
     ds = small_blocks(ds, ROWS_PER_TASK)
     # A task-based map whose preprocessor is built once per worker process (`preprocess_row`): an actor pool
     # would be rebuilt, imports and tokenizer included, for every epoch's dataset.
-    return ds.map(preprocess_row, fn_kwargs={"settings": settings, "model_config": model_config},
-                  num_cpus=num_cpus, compute=ray.data.TaskPoolStrategy(size=workers))
+    return ds.map(
+        preprocess_row,
+        fn_kwargs={"settings": settings, "model_config": model_config},
+        num_cpus=num_cpus,
+        compute=ray.data.TaskPoolStrategy(size=workers),
+    )
 
 
 class BatchLoader:
@@ -142,9 +155,20 @@ class BatchLoader:
     `loader_actor`: its `probe` thread answers `position` while the stream's own calls run one at a time."""
 
     def __init__(
-        self, paths: list[str], settings: PreprocessSettings, model_config: Any, global_batch_size: int,
-        microbatch_tokens: int, workers: int = 1, num_cpus: float = 0.25, seed: int | None = 0,
-        pad_id: int = 151643, repeat: bool = True, replica: int = 0, num_replicas: int = 1, vision_sp: int = 0,
+        self,
+        paths: list[str],
+        settings: PreprocessSettings,
+        model_config: Any,
+        global_batch_size: int,
+        microbatch_tokens: int,
+        workers: int = 1,
+        num_cpus: float = 0.25,
+        seed: int | None = 0,
+        pad_id: int = 151643,
+        repeat: bool = True,
+        replica: int = 0,
+        num_replicas: int = 1,
+        vision_sp: int = 0,
     ):
         self.args = (paths, settings, model_config, workers, num_cpus)
         self.records = settings.records or Jsonl()
@@ -173,10 +197,20 @@ class BatchLoader:
     def state(self) -> dict[str, Any]:
         """Position and counters, JSON-able: what a checkpoint stores to continue this stream exactly, in this or
         another number of streams (`positions.reshard`)."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "source": self.source, "good": self.good,
-                "skipped": dict(self.skipped), "skip_examples": list(self.skip_examples),
-                "parts": len(self.args[0]), "deals": self.records.deals, "files": self.files, "part": self.part,
-                "taken": self.taken, "plans": {str(e): p for e, p in self.plans.items() if e >= self.epoch}}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "source": self.source,
+            "good": self.good,
+            "skipped": dict(self.skipped),
+            "skip_examples": list(self.skip_examples),
+            "parts": len(self.args[0]),
+            "deals": self.records.deals,
+            "files": self.files,
+            "part": self.part,
+            "taken": self.taken,
+            "plans": {str(e): p for e, p in self.plans.items() if e >= self.epoch},
+        }
 
     @ray.method(concurrency_group="probe")
     def position(self) -> dict[str, Any]:
@@ -185,8 +219,12 @@ class BatchLoader:
         for the batch being assembled; `skipped`, how many of them were skipped, by reason; `example`, the last."""
         last = f", last record {self.source}" if self.source else ", no record read yet"
         read, skipped, example = self.batch_reads
-        return {"where": f"epoch {self.epoch}, {self.cursor} records into it{last}", "read": read,
-                "skipped": skipped, "example": example}
+        return {
+            "where": f"epoch {self.epoch}, {self.cursor} records into it{last}",
+            "read": read,
+            "skipped": skipped,
+            "example": example,
+        }
 
     def start(self) -> None:
         """Start the stream and wait for its first row: Ray Data's start-up and the preprocessing processes'
@@ -218,8 +256,9 @@ class BatchLoader:
         seed = None if self.seed is None else self.seed + self.epoch
         paths = self.args[0]
         self.epoch_whole = self.epoch not in self.plans and self.part < 0
-        mine = resumed(reads(len(paths), self.plans.get(self.epoch), *self.stream, self.records.deals),
-                       self.part, self.taken)
+        mine = resumed(
+            reads(len(paths), self.plans.get(self.epoch), *self.stream, self.records.deals), self.part, self.taken
+        )
         order = self.records.order(len(paths), seed)
         self.epoch_reads = {order[r.part]: 1 / r.step for r in mine if r.first == 0}  # read from their start
         return iter(build_dataset(*self.args, seed=seed, reads=mine).iter_rows() if mine else ())
@@ -236,8 +275,10 @@ class BatchLoader:
         if not self.repeat:
             self.exhausted = True
         elif self._barren():
-            raise RuntimeError(f"no usable sample in {self.args[0]} for data stream {self.stream[0]} of "
-                               f"{self.stream[1]}; skipped: {dict(self.skipped)}")
+            raise RuntimeError(
+                f"no usable sample in {self.args[0]} for data stream {self.stream[0]} of "
+                f"{self.stream[1]}; skipped: {dict(self.skipped)}"
+            )
         else:
             self.epoch += 1
 

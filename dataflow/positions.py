@@ -102,7 +102,7 @@ def resumed(mine: list[Read], part: int, taken: int) -> list[Read]:
     if at is None:
         raise ValueError(f"data position: part {part} is not one this stream reads ({[r.part for r in mine]})")
     head = mine[at]
-    return [head._replace(first=head.first + head.step * taken), *mine[at + 1:]]
+    return [head._replace(first=head.first + head.step * taken), *mine[at + 1 :]]
 
 
 def _prefix(states: list[dict[str, Any]], epoch: int, plan: dict[str, Any] | None) -> dict[int, int | None]:
@@ -139,8 +139,10 @@ def reshard(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         old = held.get(str(epoch))
         done, _ = plan_parts(old)
         ends = _prefix(states, epoch, old)
-        plan = {"done": _ranges(done | {k for k, e in ends.items() if e is None}),
-                "first": sorted([k, e] for k, e in ends.items() if e)}
+        plan = {
+            "done": _ranges(done | {k for k, e in ends.items() if e is None}),
+            "first": sorted([k, e] for k, e in ends.items() if e),
+        }
         if plan["done"] or plan["first"]:
             plans[str(epoch)] = plan
     good = sum(s["good"] for s in states)
@@ -148,8 +150,20 @@ def reshard(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     for s in states:
         skipped.update(s["skipped"])
     examples = [e for s in states for e in s["skip_examples"]][:MAX_SKIP_EXAMPLES]
-    return [{"epoch": low, "cursor": 0, "source": "", "good": good // n + (r < good % n),
-             "skipped": dict(skipped) if r == 0 else {}, "skip_examples": examples if r == 0 else [],
-             "parts": states[0]["parts"], "deals": states[0]["deals"], "files": states[0]["files"], "plans": plans,
-             "part": -1, "taken": 0}
-            for r in range(n)]
+    return [
+        {
+            "epoch": low,
+            "cursor": 0,
+            "source": "",
+            "good": good // n + (r < good % n),
+            "skipped": dict(skipped) if r == 0 else {},
+            "skip_examples": examples if r == 0 else [],
+            "parts": states[0]["parts"],
+            "deals": states[0]["deals"],
+            "files": states[0]["files"],
+            "plans": plans,
+            "part": -1,
+            "taken": 0,
+        }
+        for r in range(n)
+    ]

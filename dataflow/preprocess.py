@@ -155,8 +155,14 @@ class Preprocessor:
                 raise SkipSample(*row["skip"].split("\t", 1))
             sample = self.process(row["record"], row.get("image") or None)
         except SkipSample as e:
-            return {"source": row["source"], "part": row.get("part", 0), "error": e.reason, "detail": e.detail,
-                    "sample": b"", "tokens": 0}
+            return {
+                "source": row["source"],
+                "part": row.get("part", 0),
+                "error": e.reason,
+                "detail": e.detail,
+                "sample": b"",
+                "tokens": 0,
+            }
         return {
             "source": row["source"],
             "part": row.get("part", 0),  # where the stream stands (dataflow/positions.py)

@@ -38,7 +38,7 @@ def expand_braces(item: str) -> list[str]:
     m = _BRACE.search(item)
     if not m:
         return [item]
-    body, head, tail = m.group(1), item[: m.start()], item[m.end():]
+    body, head, tail = m.group(1), item[: m.start()], item[m.end() :]
     r = _RANGE.match(body)
     if r:
         lo, hi = int(r.group(1)), int(r.group(2))

@@ -78,20 +78,35 @@ def resolve(config: Any = None) -> Storage:
                     "profiles export the AWS_* variables instead)"
                 )
         elif env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-            credentials = Credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
-                                      env.get("AWS_SESSION_TOKEN") or None, "environment")
+            credentials = Credentials(
+                env["AWS_ACCESS_KEY_ID"],
+                env["AWS_SECRET_ACCESS_KEY"],
+                env.get("AWS_SESSION_TOKEN") or None,
+                "environment",
+            )
         elif profile:
             credentials = _profile_credentials(profile)  # None: left to the SDK chain in each process
     endpoint = get("endpoint_url") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
     if endpoint and ("://" not in endpoint or "@" in endpoint.split("://", 1)[1].split("/", 1)[0]):
-        raise ConfigError(f"data.storage.endpoint_url must be http(s)://host[:port] without credentials, "
-                            f"got {endpoint.split('://')[0]}://...")
-    region = get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or _profile_value(
-        profile or "default", "region")
+        raise ConfigError(
+            f"data.storage.endpoint_url must be http(s)://host[:port] without credentials, "
+            f"got {endpoint.split('://')[0]}://..."
+        )
+    region = (
+        get("region")
+        or env.get("AWS_REGION")
+        or env.get("AWS_DEFAULT_REGION")
+        or _profile_value(profile or "default", "region")
+    )
     return Storage(
-        endpoint_url=endpoint, region=region, addressing_style=get("addressing_style", "auto"), anonymous=anonymous,
-        max_attempts=int(get("max_attempts", 6)), connect_timeout_s=float(get("connect_timeout_s", 10.0)),
-        request_timeout_s=float(get("request_timeout_s", 60.0)), credentials=credentials,
+        endpoint_url=endpoint,
+        region=region,
+        addressing_style=get("addressing_style", "auto"),
+        anonymous=anonymous,
+        max_attempts=int(get("max_attempts", 6)),
+        connect_timeout_s=float(get("connect_timeout_s", 10.0)),
+        request_timeout_s=float(get("request_timeout_s", 60.0)),
+        credentials=credentials,
     )
 
 
@@ -152,7 +167,7 @@ def filesystem(uri: str, storage: Any = None) -> tuple[pafs.FileSystem, str]:
     `storage` is a `Storage`, a `StorageConfig` (resolved here, in this process) or None (environment).
     """
     if uri.startswith("s3://"):
-        path = uri[len("s3://"):]
+        path = uri[len("s3://") :]
         if not path.split("/", 1)[0]:
             raise ValueError(f"{uri!r} names no bucket (expected s3://bucket/key)")
         return S3FileSystem(resolve(storage)), path
@@ -165,8 +180,10 @@ def filesystem_of_all(uris: list[str], storage: Any = None) -> tuple[pafs.FileSy
     """One filesystem for several files (a Ray Data read takes one); they must share the URI scheme."""
     schemes = {scheme_of(u) or "local" for u in uris}
     if len(schemes) != 1:
-        raise ConfigError(f"data.train/data.eval: one list mixes storage kinds ({', '.join(sorted(schemes))}); "
-                            "a split is read from one kind of storage")
+        raise ConfigError(
+            f"data.train/data.eval: one list mixes storage kinds ({', '.join(sorted(schemes))}); "
+            "a split is read from one kind of storage"
+        )
     fs = filesystem(uris[0], storage)[0]
     return fs, [filesystem(u, storage)[1] for u in uris]
 
@@ -193,8 +210,10 @@ def _config_file() -> Path:
 def _profile_sections(profile: str) -> list[configparser.SectionProxy]:
     """The profile's section in the credentials file, then in the config file ([profile NAME] there)."""
     sections = []
-    for path, name in ((_credentials_file(), profile),
-                       (_config_file(), profile if profile == "default" else f"profile {profile}")):
+    for path, name in (
+        (_credentials_file(), profile),
+        (_config_file(), profile if profile == "default" else f"profile {profile}"),
+    ):
         parser = configparser.RawConfigParser()
         try:
             parser.read(path)
@@ -212,6 +231,10 @@ def _profile_value(profile: str, key: str) -> str | None:
 def _profile_credentials(profile: str) -> Credentials | None:
     for section in _profile_sections(profile):
         if section.get("aws_access_key_id") and section.get("aws_secret_access_key"):
-            return Credentials(section["aws_access_key_id"], section["aws_secret_access_key"],
-                               section.get("aws_session_token") or None, f"profile {profile}")
+            return Credentials(
+                section["aws_access_key_id"],
+                section["aws_secret_access_key"],
+                section.get("aws_session_token") or None,
+                f"profile {profile}",
+            )
     return None

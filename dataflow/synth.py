@@ -46,17 +46,24 @@ PALETTE: dict[str, tuple[int, int, int]] = {
 SHAPES = ("circle", "square", "triangle", "star")
 SIZES = ("small", "large")
 # Row-major over the 3x3 grid, so index // 3 is the row and index % 3 the column.
-POSITIONS = ("top left", "top", "top right", "left", "center", "right",
-             "bottom left", "bottom", "bottom right")
+POSITIONS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
 # Half-extent of the shape as a fraction of min(w, h); large stays under 1/6 so it fits in one cell.
 _SIZE_FRAC = {"small": (0.065, 0.085), "large": (0.13, 0.15)}
 
-PROMPTS = ("Describe the image.", "What is in this picture?", "Write a short caption for this image.",
-           "Describe what you see.")
+PROMPTS = (
+    "Describe the image.",
+    "What is in this picture?",
+    "Write a short caption for this image.",
+    "Describe what you see.",
+)
 MULTI_PROMPTS = ("Describe both images.", "Write a caption for each of the two images.")
 # (question, attribute) pairs for the second round; questions name no attribute value.
-QUESTIONS = (("What colour is the shape?", "colour"), ("Where is it?", "position"),
-             ("What shape is it?", "shape"), ("How big is the shape?", "size"))
+QUESTIONS = (
+    ("What colour is the shape?", "colour"),
+    ("Where is it?", "position"),
+    ("What shape is it?", "shape"),
+    ("How big is the shape?", "size"),
+)
 
 _PROGRESS_MIN = 300
 
@@ -94,8 +101,12 @@ def _pick(rng: np.random.Generator, options: tuple[str, ...] | list[str]) -> str
 
 def _draw_image(rng: np.random.Generator, min_size: int, max_size: int) -> tuple[Image.Image, dict[str, str]]:
     w, h = (int(v) for v in rng.integers(min_size, max_size + 1, size=2))
-    attrs = {"size": _pick(rng, SIZES), "colour": _pick(rng, list(PALETTE)),
-             "shape": _pick(rng, SHAPES), "position": _pick(rng, POSITIONS)}
+    attrs = {
+        "size": _pick(rng, SIZES),
+        "colour": _pick(rng, list(PALETTE)),
+        "shape": _pick(rng, SHAPES),
+        "position": _pick(rng, POSITIONS),
+    }
     # Half white, half a random light tint, so background colour is a nuisance variable to ignore.
     bg = (255, 255, 255) if rng.random() < 0.5 else tuple(int(v) for v in rng.integers(215, 256, size=3))
     lo, hi = _SIZE_FRAC[attrs["size"]]
@@ -128,8 +139,9 @@ def _draw_image(rng: np.random.Generator, min_size: int, max_size: int) -> tuple
     return img, attrs
 
 
-def _make_record(rng: np.random.Generator, rid: str, multi_image_p: float, multi_turn_p: float,
-                 min_size: int, max_size: int) -> tuple[dict, list[tuple[str, Image.Image]]]:
+def _make_record(
+    rng: np.random.Generator, rid: str, multi_image_p: float, multi_turn_p: float, min_size: int, max_size: int
+) -> tuple[dict, list[tuple[str, Image.Image]]]:
     # Draw both coins every time so one fraction's value never shifts the other's stream.
     multi_image = rng.random() < multi_image_p
     multi_turn = rng.random() < multi_turn_p
@@ -138,8 +150,10 @@ def _make_record(rng: np.random.Generator, rid: str, multi_image_p: float, multi
         images = [(f"images/{rid}_a.png", img_a), (f"images/{rid}_b.png", img_b)]
         text = _pick(rng, MULTI_PROMPTS)
         human = f"<image>\n<image>\n{text}" if rng.random() < 0.5 else f"{text}\n<image>\n<image>"
-        convs = [{"from": "human", "value": human},
-                 {"from": "gpt", "value": f"First: {caption(at_a)} Second: {caption(at_b)}"}]
+        convs = [
+            {"from": "human", "value": human},
+            {"from": "gpt", "value": f"First: {caption(at_a)} Second: {caption(at_b)}"},
+        ]
         # A follow-up question about "the shape" would be ambiguous with two images.
         return {"id": rid, "image": [p for p, _ in images], "conversations": convs}, images
     img, attrs = _draw_image(rng, min_size, max_size)
@@ -162,9 +176,17 @@ def _read_meta(out_dir: Path) -> dict | None:
 
 
 def _summary(out_dir: Path, meta: dict, reused: bool) -> SynthSummary:
-    return SynthSummary(out_dir=out_dir, train_path=out_dir / "train.jsonl", val_path=out_dir / "val.jsonl",
-                        meta_path=out_dir / "meta.json", num_train=meta["num"], num_val=meta["eval_num"],
-                        num_images=meta["num_images"], seed=meta["seed"], reused=reused)
+    return SynthSummary(
+        out_dir=out_dir,
+        train_path=out_dir / "train.jsonl",
+        val_path=out_dir / "val.jsonl",
+        meta_path=out_dir / "meta.json",
+        num_train=meta["num"],
+        num_val=meta["eval_num"],
+        num_images=meta["num_images"],
+        seed=meta["seed"],
+        reused=reused,
+    )
 
 
 def _is_complete(out_dir: Path, params: dict) -> dict | None:
@@ -176,9 +198,16 @@ def _is_complete(out_dir: Path, params: dict) -> dict | None:
     return meta
 
 
-def write_synthetic_dataset(out_dir: str | Path, num: int, seed: int = 0, eval_num: int | None = None,
-                            min_size: int = 84, max_size: int = 224, multi_image_fraction: float = 0.1,
-                            multi_turn_fraction: float = 0.2) -> SynthSummary:
+def write_synthetic_dataset(
+    out_dir: str | Path,
+    num: int,
+    seed: int = 0,
+    eval_num: int | None = None,
+    min_size: int = 84,
+    max_size: int = 224,
+    multi_image_fraction: float = 0.1,
+    multi_turn_fraction: float = 0.2,
+) -> SynthSummary:
     """Write ``num`` train and ``eval_num`` val records (plus images and meta.json) into ``out_dir``.
 
     Returns at once if ``out_dir`` already holds a complete set made with the same parameters.
@@ -189,9 +218,17 @@ def write_synthetic_dataset(out_dir: str | Path, num: int, seed: int = 0, eval_n
         raise ValueError(f"need 16 <= min_size <= max_size, got {min_size}, {max_size}")
     out_dir = Path(out_dir)
     eval_num = max(16, num // 10) if eval_num is None else eval_num
-    params = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "num": num, "eval_num": eval_num,
-              "seed": seed, "min_size": min_size, "max_size": max_size,
-              "multi_image_fraction": multi_image_fraction, "multi_turn_fraction": multi_turn_fraction}
+    params = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "num": num,
+        "eval_num": eval_num,
+        "seed": seed,
+        "min_size": min_size,
+        "max_size": max_size,
+        "multi_image_fraction": multi_image_fraction,
+        "multi_turn_fraction": multi_turn_fraction,
+    }
     meta = _is_complete(out_dir, params)
     if meta is not None:
         return _summary(out_dir, meta, reused=True)
@@ -205,15 +242,20 @@ def write_synthetic_dataset(out_dir: str | Path, num: int, seed: int = 0, eval_n
         (tmp / "images").mkdir()
         # Spawned children of one SeedSequence are independent streams, so val is held out from train.
         train_ss, val_ss = np.random.SeedSequence(seed).spawn(2)
-        bar = tqdm(total=num + eval_num, desc="synthetic data", unit="rec",
-                   disable=num + eval_num <= _PROGRESS_MIN or not sys.stderr.isatty())
+        bar = tqdm(
+            total=num + eval_num,
+            desc="synthetic data",
+            unit="rec",
+            disable=num + eval_num <= _PROGRESS_MIN or not sys.stderr.isatty(),
+        )
         num_images = 0
         for split, count, ss in (("train", num, train_ss), ("val", eval_num, val_ss)):
             rng = np.random.default_rng(ss)
             with open(tmp / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
                 for i in range(count):
-                    rec, images = _make_record(rng, f"{split}_{i:05d}", multi_image_fraction,
-                                               multi_turn_fraction, min_size, max_size)
+                    rec, images = _make_record(
+                        rng, f"{split}_{i:05d}", multi_image_fraction, multi_turn_fraction, min_size, max_size
+                    )
                     for rel, img in images:
                         img.save(tmp / rel, format="PNG")
                     num_images += len(images)

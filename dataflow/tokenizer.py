@@ -161,9 +161,7 @@ def load_tokenizer(path: str | None = None, cache_dir: str | None = None) -> Pre
     """
     if path is not None and os.path.isdir(path):
         if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-            raise FileNotFoundError(
-                f"{path!r} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)})"
-            )
+            raise FileNotFoundError(f"{path!r} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)})")
         return _load_dir(os.path.abspath(path))
     if path is not None:
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")

@@ -78,8 +78,11 @@ def sample_row(shard: str, key: str, members: dict[str, bytes], prompt: str, cap
     special = SPECIAL_TOKEN.search(caption)
     if special:
         return _skip(source, "special_token_caption", f"caption holds {special.group()!r}")
-    record = {"id": key, "image": f"{key}.{ext}",
-              "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": caption.strip()}]}
+    record = {
+        "id": key,
+        "image": f"{key}.{ext}",
+        "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": caption.strip()}],
+    }
     return _row(source, json.dumps(record), members[ext])
 
 
@@ -121,7 +124,8 @@ def shard_rows(fs: Any, path: str, source: str, prompt: str, caption_field: str)
     return rows
 
 
-def split_shard(row: dict[str, Any], fs: Any, prompt: str, caption: str, seed: int | None,
-                prefix: str = "") -> list[dict[str, Any]]:
+def split_shard(
+    row: dict[str, Any], fs: Any, prompt: str, caption: str, seed: int | None, prefix: str = ""
+) -> list[dict[str, Any]]:
     """Ray Data map: one `positions.Read` row of a shard (`path` as `fs` names it) -> the read's sample rows."""
     return own_rows(shard_rows(fs, row["path"], prefix + row["path"], prompt, caption), row, seed)

@@ -28,7 +28,6 @@ _VISION_7B_CLASS = dict(  # the ViT is the same 32-block, 1280-wide encoder in e
 )
 
 
-
 def _released_text(
     vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tie: bool
 ) -> dict[str, Any]:
@@ -50,8 +49,13 @@ def _released_text(
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vision=dict(  # the released block structure at toy width: 2 of 4 blocks full-attention
-            _VISION_7B_CLASS, depth=4, hidden_size=64, intermediate_size=128, num_heads=4,
-            fullatt_block_indexes=[1, 3], out_hidden_size=64,
+            _VISION_7B_CLASS,
+            depth=4,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            fullatt_block_indexes=[1, 3],
+            out_hidden_size=64,
         ),
         text=dict(
             vocab_size=_QWEN_VOCAB,

@@ -78,25 +78,38 @@ class FineTuning:
         self.lora = t.lora if t.train == "lora" else None  # LoRA factors train, the language model's base is frozen
         if self.lora is not None:
             lo = self.lora
-            for ok, why in ((lo.rank >= 1, "text.lora.rank must be >= 1"),
-                            (lo.alpha > 0, "text.lora.alpha must be > 0"),
-                            (0 <= lo.dropout < 1, "text.lora.dropout must be in [0, 1)"),
-                            (any(x.strip() for x in lo.targets.split(",")), "text.lora.targets names no layer")):
+            for ok, why in (
+                (lo.rank >= 1, "text.lora.rank must be >= 1"),
+                (lo.alpha > 0, "text.lora.alpha must be > 0"),
+                (0 <= lo.dropout < 1, "text.lora.dropout must be in [0, 1)"),
+                (any(x.strip() for x in lo.targets.split(",")), "text.lora.targets names no layer"),
+            ):
                 if not ok:
                     raise ConfigError(why)
-        for key, value in (("vision.lr_scale", v.lr_scale), ("text.lr_scale", t.lr_scale),
-                           ("vision.merger_lr_scale", v.merger_lr_scale)):
+        for key, value in (
+            ("vision.lr_scale", v.lr_scale),
+            ("text.lr_scale", t.lr_scale),
+            ("vision.merger_lr_scale", v.merger_lr_scale),
+        ):
             if value is not None and value <= 0:
                 raise ConfigError(f"{key} must be > 0 (freeze a module with {key.split('.')[0]}.train)")
         v_wd = tr.weight_decay if v.weight_decay is None else v.weight_decay
         self.groups = {
             "vision_blocks": ModuleGroup("vision_blocks", "vision", v.train == "all", tr.lr * v.lr_scale, v_wd),
             "merger": ModuleGroup(
-                "merger", "vision", v.train in ("all", "merger"),
+                "merger",
+                "vision",
+                v.train in ("all", "merger"),
                 tr.lr * (v.lr_scale if v.merger_lr_scale is None else v.merger_lr_scale),
-                v_wd if v.merger_weight_decay is None else v.merger_weight_decay),
-            "text": ModuleGroup("text", "text", t.train in ("all", "lora"), tr.lr * t.lr_scale,
-                                tr.weight_decay if t.weight_decay is None else t.weight_decay),
+                v_wd if v.merger_weight_decay is None else v.merger_weight_decay,
+            ),
+            "text": ModuleGroup(
+                "text",
+                "text",
+                t.train in ("all", "lora"),
+                tr.lr * t.lr_scale,
+                tr.weight_decay if t.weight_decay is None else t.weight_decay,
+            ),
         }
 
     def trains(self, stage: str) -> bool:
@@ -142,8 +155,10 @@ class FineTuning:
                 if (ndim >= 2) != decay:
                     continue
                 g = self.groups[module_of(name)]
-                group = groups.setdefault((g.lr, g.weight_decay if decay else 0.0), {
-                    "params": [], "lr": g.lr, "weight_decay": g.weight_decay if decay else 0.0, "modules": []})
+                group = groups.setdefault(
+                    (g.lr, g.weight_decay if decay else 0.0),
+                    {"params": [], "lr": g.lr, "weight_decay": g.weight_decay if decay else 0.0, "modules": []},
+                )
                 group["params"].append(item)
                 if g.name not in group["modules"]:
                     group["modules"].append(g.name)

@@ -92,8 +92,11 @@ def _dropout(p: float, a_slice: Any, width: int) -> nn.Module:
 
 def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
     """(module name, Linear) of the decoder's Linears whose last name part is one of `targets`."""
-    found = [(n, m) for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and n.startswith("language_model.layers.") and n.rsplit(".", 1)[-1] in targets]
+    found = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.startswith("language_model.layers.") and n.rsplit(".", 1)[-1] in targets
+    ]
     if not found:
         raise ValueError(f"text.lora.targets {targets} match no Linear of the language model's layers")
     return found
@@ -108,8 +111,14 @@ def factor_shapes(full_shapes: dict[str, Any], spec: Any, layers: list[str] | No
     found in `full_shapes` alone, as the memory plan needs on the meta device): A [r, in], B [out, r]."""
     if layers is None:
         targets = target_names(spec)
-        layers = [n[: -len(".weight")] for n, shape in full_shapes.items() if n.startswith("language_model.layers.")
-                  and n.endswith(".weight") and len(shape) == 2 and n.split(".")[-2] in targets]
+        layers = [
+            n[: -len(".weight")]
+            for n, shape in full_shapes.items()
+            if n.startswith("language_model.layers.")
+            and n.endswith(".weight")
+            and len(shape) == 2
+            and n.split(".")[-2] in targets
+        ]
         if not layers:  # what `lora_targets` raises in the worker, said before anything starts
             raise ConfigError(f"text.lora.targets {targets} match no Linear of the language model's layers")
     out = {}
@@ -120,8 +129,9 @@ def factor_shapes(full_shapes: dict[str, Any], spec: Any, layers: list[str] | No
     return out
 
 
-def add_lora(model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full_shapes: dict[str, torch.Size],
-             seed: int) -> None:
+def add_lora(
+    model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full_shapes: dict[str, torch.Size], seed: int
+) -> None:
     """Give every target Linear of `model` (a laid-out TextModel) its LoRA factors, this rank's parts of them.
 
     `spec`: rank, alpha, dropout, targets (`text.lora`). The full factors' shapes are added to `full_shapes`.
@@ -143,8 +153,9 @@ def add_lora(model: nn.Module, spec: Any, layout: Layout, ranks: PoolRanks, full
             mine = slicers[ranks.model_rank](key) if slicers[ranks.model_rank] else None
             local = full if mine is None else full[mine]
             # skip_init: nn.Linear's own init would draw from the global RNG, by an amount that depends on the layout
-            sub = nn.utils.skip_init(nn.Linear, local.shape[1], local.shape[0], bias=False, device=weight.device,
-                                     dtype=weight.dtype)
+            sub = nn.utils.skip_init(
+                nn.Linear, local.shape[1], local.shape[0], bias=False, device=weight.device, dtype=weight.dtype
+            )
             with torch.no_grad():
                 sub.weight.copy_(local)
             setattr(linear, factor, sub)

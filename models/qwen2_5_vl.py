@@ -144,9 +144,7 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-def rope_positions(
-    input_ids: torch.Tensor, image_grid_thw: torch.Tensor, config: Qwen2_5_VLConfig
-) -> torch.Tensor:
+def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, config: Qwen2_5_VLConfig) -> torch.Tensor:
     """3-D mRoPE position ids [3, L] of one unpadded sample, computed by transformers' `get_rope_index`.
 
     `get_rope_index` is a method of `Qwen2_5_VLModel` but reads only `config` and the static
@@ -161,7 +159,5 @@ def rope_positions(
     ids = input_ids.view(1, -1)
     token_types = (ids == config.image_token_id).int()
     grid = image_grid_thw if image_grid_thw.numel() else None
-    positions, _ = Qwen2_5_VLModel.get_rope_index(
-        stand_in, ids, mm_token_type_ids=token_types, image_grid_thw=grid
-    )
+    positions, _ = Qwen2_5_VLModel.get_rope_index(stand_in, ids, mm_token_type_ids=token_types, image_grid_thw=grid)
     return positions[:, 0]

@@ -51,8 +51,15 @@ def build_stage(
     layout.materialize(model, ranks.device)  # this rank's tensors, uninitialised
     slicer = layout.slicer(ranks.rank, full_shapes)
     if path:
-        load_stage_weights(model, model.hf_name, path, model.checkpoint_prefixes, slicer=slicer,
-                           full_shapes=full_shapes, assign=layout.assign_loaded)
+        load_stage_weights(
+            model,
+            model.hf_name,
+            path,
+            model.checkpoint_prefixes,
+            slicer=slicer,
+            full_shapes=full_shapes,
+            assign=layout.assign_loaded,
+        )
     else:  # each part copied in as made
         (init or Exact()).fill(recipe, slicer, into_model(model, layout.assign_loaded), seed, ranks.device)
     return model.to(ranks.device).train(), full_shapes

@@ -52,9 +52,17 @@ NAMES = {"zero3": "ZeRO-3 (reference)", "tp": "uniform TP 8 (reference)", "sp_tp
 def base_config() -> Any:
     from dhp.stages.config import load_config
 
-    return load_config("tiny", ["model.name=qwen2_5_vl_32b", "training.global_batch_size=8",
-                                "vision.activation_checkpointing=full", "text.activation_checkpointing=full",
-                                "pipeline.max_in_flight=1", "pipeline.placement=shared"])
+    return load_config(
+        "tiny",
+        [
+            "model.name=qwen2_5_vl_32b",
+            "training.global_batch_size=8",
+            "vision.activation_checkpointing=full",
+            "text.activation_checkpointing=full",
+            "pipeline.max_in_flight=1",
+            "pipeline.placement=shared",
+        ],
+    )
 
 
 def reference_config(kind: str, base: Any | None = None) -> Any:
@@ -83,8 +91,13 @@ def _loss(eff: dict[str, float], mc: Any, base: Any) -> tuple[float, list[dict[s
     for patches, cells in REFERENCE.items():
         for kind, measured in cells.items():
             r = predict_reference(kind, patches, prof, mc, base)
-            row = {"patches": patches, "layout": kind, "measured": measured, "predicted": r["vision_tokens_per_s"],
-                   "fits": r["fits"]}
+            row = {
+                "patches": patches,
+                "layout": kind,
+                "measured": measured,
+                "predicted": r["vision_tokens_per_s"],
+                "fits": r["fits"],
+            }
             if measured is not None:
                 loss += math.log(r["vision_tokens_per_s"] / measured) ** 2 + (0.0 if r["fits"] else 1.0)
             rows.append(row)
@@ -95,8 +108,11 @@ def fit() -> dict[str, Any]:
     from dhp.models.architectures import architecture_config
 
     mc, base = architecture_config("qwen2_5_vl_32b", "sdpa"), base_config()
-    grid = {"matmul": [0.1 * 1.25**i for i in range(10)], "comm": [0.05 * 1.3**i for i in range(13)],
-            "call_s": [0.0, 0.005, 0.01, 0.02, 0.04, 0.08]}
+    grid = {
+        "matmul": [0.1 * 1.25**i for i in range(10)],
+        "comm": [0.05 * 1.3**i for i in range(13)],
+        "call_s": [0.0, 0.005, 0.01, 0.02, 0.04, 0.08],
+    }
     best = None
     for m, c, s in itertools.product(*grid.values()):
         eff = {"matmul": m, "attention": m, "comm": c, "call_s": s}
@@ -106,16 +122,24 @@ def fit() -> dict[str, Any]:
     for _ in range(2):  # refine: +-20 % steps around the best point
         eff0 = best[1]
         for fm, fc, fs in itertools.product((0.8, 0.9, 1, 1.1, 1.2), repeat=3):
-            eff = {"matmul": min(MATMUL_CAP, eff0["matmul"] * fm), "comm": min(1.0, eff0["comm"] * fc),
-                   "call_s": eff0["call_s"] * fs or 0.0025 * (fs - 0.8)}
+            eff = {
+                "matmul": min(MATMUL_CAP, eff0["matmul"] * fm),
+                "comm": min(1.0, eff0["comm"] * fc),
+                "call_s": eff0["call_s"] * fs or 0.0025 * (fs - 0.8),
+            }
             eff["attention"] = eff["matmul"]
             loss = _loss(eff, mc, base)[0]
             if loss < best[0]:
                 best = (loss, eff)
     loss, rows = _loss(best[1], mc, base)
-    return {"efficiency": {k: round(v, 4) for k, v in best[1].items()}, "loss": loss, "cells": rows,
-            "fitted_on": "reference rows 1024 and 16384 vision tokens (5 measured cells; the OOM cell not fitted)",
-            "gpu": "h100-sxm", "model": "qwen2_5_vl_32b"}
+    return {
+        "efficiency": {k: round(v, 4) for k, v in best[1].items()},
+        "loss": loss,
+        "cells": rows,
+        "fitted_on": "reference rows 1024 and 16384 vision tokens (5 measured cells; the OOM cell not fitted)",
+        "gpu": "h100-sxm",
+        "model": "qwen2_5_vl_32b",
+    }
 
 
 def target_table(lengths: tuple[int, ...] = LENGTHS, gpus: int = 8) -> list[dict[str, Any]]:
@@ -134,10 +158,14 @@ def target_table(lengths: tuple[int, ...] = LENGTHS, gpus: int = 8) -> list[dict
         found = search(base, mc, prof, gpus, Workload(patches))
         if found:
             best = found[0]
-            row.update(best=best["vision_tokens_per_s"], best_layout=best["layout"],
-                       best_samples=best["samples_per_microbatch"],
-                       best_parts={k: round(v, 4) for k, v in best["parts_s"].items() if v > 0},
-                       best_bubble_s=best["bubble_s"], best_step_s=best["step_s"])
+            row.update(
+                best=best["vision_tokens_per_s"],
+                best_layout=best["layout"],
+                best_samples=best["samples_per_microbatch"],
+                best_parts={k: round(v, 4) for k, v in best["parts_s"].items() if v > 0},
+                best_bubble_s=best["bubble_s"],
+                best_step_s=best["step_s"],
+            )
         row["ratio_to_sp_tp"] = row.get("best", 0) / row["sp_tp"] if row.get("sp_tp") else None
         out.append(row)
     return out
@@ -147,12 +175,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     def n(x: Any) -> str:
         return "OOM" if x is None else f"{x:,.0f}"
 
-    lines = ["| vision tokens / image | ZeRO-3 | TP 8 | SP 8 + TP 8 | best dhp (search) | × SP+TP | best layout |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| vision tokens / image | ZeRO-3 | TP 8 | SP 8 + TP 8 | best dhp (search) | × SP+TP | best layout |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         ratio = "n/a" if r["ratio_to_sp_tp"] is None else f"{r['ratio_to_sp_tp']:.2f}"
-        lines.append(f"| {r['patches']:,} | {n(r['zero3'])} | {n(r['tp'])} | {n(r['sp_tp'])} | {n(r.get('best'))} | "
-                     f"{ratio} | {r.get('best_layout', 'none fits')}, {r.get('best_samples', '-')} / micro-batch |")
+        lines.append(
+            f"| {r['patches']:,} | {n(r['zero3'])} | {n(r['tp'])} | {n(r['sp_tp'])} | {n(r.get('best'))} | "
+            f"{ratio} | {r.get('best_layout', 'none fits')}, {r.get('best_samples', '-')} / micro-batch |"
+        )
     return "\n".join(lines)
 
 

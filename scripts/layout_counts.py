@@ -143,8 +143,14 @@ def _run(name: str, counter: Counter, p: int) -> dict:
     singles = [dist.new_group([r]) for r in range(world)]  # the size-1 group of whichever dimension is 1
     whole = layout.degree == world
     ranks = PoolRanks(
-        rank, world, layout.degree, rank // layout.degree, rank % layout.degree,
-        group if whole else singles[rank], singles[rank] if whole else group, torch.device("cpu"),
+        rank,
+        world,
+        layout.degree,
+        rank // layout.degree,
+        rank % layout.degree,
+        group if whole else singles[rank],
+        singles[rank] if whole else group,
+        torch.device("cpu"),
     )
     grid = grid_of(p)
     layout.apply(model, ranks)

@@ -24,9 +24,16 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         self.object_store_bytes = object_store_bytes
-        self.cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-            "num_cpus": head_cpus, "object_store_memory": object_store_bytes, "include_dashboard": False,
-            "node_ip_address": "127.0.0.1"})
+        self.cluster = Cluster(
+            initialize_head=True,
+            connect=False,
+            head_node_args={
+                "num_cpus": head_cpus,
+                "object_store_memory": object_store_bytes,
+                "include_dashboard": False,
+                "node_ip_address": "127.0.0.1",
+            },
+        )
         self.nodes: dict[str, Any] = {}
 
     @property
@@ -35,8 +42,12 @@ class LocalCluster:
 
     def add(self, name: str, num_cpus: int, resources: dict[str, float]) -> str:
         """Start a worker node offering `resources`; returns its node id."""
-        node = self.cluster.add_node(num_cpus=num_cpus, resources=resources, node_ip_address="127.0.0.1",
-                                     object_store_memory=self.object_store_bytes)
+        node = self.cluster.add_node(
+            num_cpus=num_cpus,
+            resources=resources,
+            node_ip_address="127.0.0.1",
+            object_store_memory=self.object_store_bytes,
+        )
         self.nodes[name] = node
         return node.node_id
 

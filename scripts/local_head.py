@@ -40,11 +40,17 @@ LOOPBACK = "127.0.0.1"
 MAX_TEMP_DIR_LEN = 40
 # Every port the head opens, each a free one: `ray start` flags, and two environment variables.
 PORT_FLAGS = {
-    "gcs": "--port", "dashboard": "--dashboard-port", "client": "--ray-client-server-port",
-    "node_manager": "--node-manager-port", "object_manager": "--object-manager-port",
-    "agent_http": "--dashboard-agent-listen-port", "agent_grpc": "--dashboard-agent-grpc-port",
-    "runtime_env_agent": "--runtime-env-agent-port", "metrics_export": "--metrics-export-port",
-    "autoscaler_metrics": "AUTOSCALER_METRIC_PORT", "dashboard_metrics": "DASHBOARD_METRIC_PORT",
+    "gcs": "--port",
+    "dashboard": "--dashboard-port",
+    "client": "--ray-client-server-port",
+    "node_manager": "--node-manager-port",
+    "object_manager": "--object-manager-port",
+    "agent_http": "--dashboard-agent-listen-port",
+    "agent_grpc": "--dashboard-agent-grpc-port",
+    "runtime_env_agent": "--runtime-env-agent-port",
+    "metrics_export": "--metrics-export-port",
+    "autoscaler_metrics": "AUTOSCALER_METRIC_PORT",
+    "dashboard_metrics": "DASHBOARD_METRIC_PORT",
 }
 
 
@@ -211,8 +217,14 @@ class LocalHead:
         return forced
 
 
-def start_head(root: Path, *, num_cpus: int = 2, resources: dict[str, float] | None = None,
-               object_store_bytes: int = 256 << 20, timeout_s: float = 90.0) -> LocalHead:
+def start_head(
+    root: Path,
+    *,
+    num_cpus: int = 2,
+    resources: dict[str, float] | None = None,
+    object_store_bytes: int = 256 << 20,
+    timeout_s: float = 90.0,
+) -> LocalHead:
     """Start a head bound to 127.0.0.1 with token auth, state under `root`; returns once jobs are accepted."""
     root.mkdir(parents=True, exist_ok=True)
     token_path = root / "auth_token"
@@ -226,22 +238,36 @@ def start_head(root: Path, *, num_cpus: int = 2, resources: dict[str, float] | N
     ray_bin = Path(sys.executable).with_name("ray")
     if not ray_bin.exists():
         raise FileNotFoundError(f"{ray_bin}: the `ray` command of this Python environment is missing")
-    cmd = [str(ray_bin), "start", "--head", "--block", f"--node-ip-address={LOOPBACK}", f"--dashboard-host={LOOPBACK}",
-           "--include-dashboard=true", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}",
-           f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
+    cmd = [
+        str(ray_bin),
+        "start",
+        "--head",
+        "--block",
+        f"--node-ip-address={LOOPBACK}",
+        f"--dashboard-host={LOOPBACK}",
+        "--include-dashboard=true",
+        f"--temp-dir={temp_dir}",
+        f"--num-cpus={num_cpus}",
+        f"--object-store-memory={object_store_bytes}",
+        "--disable-usage-stats",
+    ]
     cmd += [f"{flag}={ports[name]}" for name, flag in PORT_FLAGS.items() if flag.startswith("--")]
     if resources:
         cmd.append(f"--resources={json.dumps(resources)}")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(
-        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-        AUTOSCALER_METRIC_PORT=str(ports["autoscaler_metrics"]), DASHBOARD_METRIC_PORT=str(ports["dashboard_metrics"]),
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(token_path),
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        AUTOSCALER_METRIC_PORT=str(ports["autoscaler_metrics"]),
+        DASHBOARD_METRIC_PORT=str(ports["dashboard_metrics"]),
         PATH=f"{ray_bin.parent}{os.pathsep}{env.get('PATH', '')}",  # a job's entrypoint finds `dhp` here
     )
     with open(root / "head.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     head = LocalHead(proc, root, temp_dir, token_path, ports, own)
     try:
         _wait_for_job_server(head, timeout_s)
@@ -252,8 +278,9 @@ def start_head(root: Path, *, num_cpus: int = 2, resources: dict[str, float] | N
 
 
 def _wait_for_job_server(head: LocalHead, timeout_s: float) -> None:
-    request = urllib.request.Request(f"{head.dashboard_url}/api/jobs/",
-                                     headers={"Authorization": f"Bearer {head.token()}"})
+    request = urllib.request.Request(
+        f"{head.dashboard_url}/api/jobs/", headers={"Authorization": f"Bearer {head.token()}"}
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never via a proxy
     deadline = time.monotonic() + timeout_s
     while True:

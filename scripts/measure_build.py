@@ -23,8 +23,17 @@ import sys
 import time
 
 
-def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, whole: bool = False,
-            path: str | None = None, precision: str = "fp32", init: str = "exact") -> dict:
+def measure(
+    model: str,
+    stage: str,
+    layout: str,
+    degree: int,
+    rank: int = 0,
+    whole: bool = False,
+    path: str | None = None,
+    precision: str = "fp32",
+    init: str = "exact",
+) -> dict:
     import torch
 
     from dhp.models.architectures import architecture_config
@@ -50,8 +59,9 @@ def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, who
 
         dist.init_process_group("fake", rank=rank, world_size=degree, store=FakeStore())
         ranks = pool_ranks(rank, degree, degree, torch.device("cpu"))
-        module, _ = build_stage(lambda: cls(config), lay, ranks, precision_of(precision), seed=0, path=path,
-                                init=random_init(init))
+        module, _ = build_stage(
+            lambda: cls(config), lay, ranks, precision_of(precision), seed=0, path=path, init=random_init(init)
+        )
     build_s = time.perf_counter() - start
     seen, held = set(), 0
     for t in module.state_dict().values():  # tied tensors once; a DTensor (ZeRO-3) by its local rows
@@ -61,10 +71,19 @@ def measure(model: str, stage: str, layout: str, degree: int, rank: int = 0, who
             held += t.numel() * t.element_size()
     shapes = {n: t.shape for n, t in module.state_dict().items()}
     return dict(
-        model=model, stage=stage, layout=layout, degree=degree, precision="fp32" if whole else precision, rank=rank,
-        whole=whole, loaded=bool(path), random_init=None if path or whole else init, held_bytes=held,
+        model=model,
+        stage=stage,
+        layout=layout,
+        degree=degree,
+        precision="fp32" if whole else precision,
+        rank=rank,
+        whole=whole,
+        loaded=bool(path),
+        random_init=None if path or whole else init,
+        held_bytes=held,
         largest_tensor_bytes=max(math.prod(s) for s in shapes.values()) * 4,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, build_s=round(build_s, 2),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        build_s=round(build_s, 2),
     )
 
 
@@ -78,11 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--whole", action="store_true", help="build the whole stage in fp32 (the old pattern)")
     p.add_argument("--path", default=None, help="load from this HF checkpoint dir instead of the seeded init")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 (models/precision.py)")
-    p.add_argument("--random-init", default="exact", choices=("exact", "per_part"),
-                   help="model.random_init without --path (models/weights/random_init.py; default exact)")
+    p.add_argument(
+        "--random-init",
+        default="exact",
+        choices=("exact", "per_part"),
+        help="model.random_init without --path (models/weights/random_init.py; default exact)",
+    )
     args = p.parse_args(argv)
-    row = measure(args.model, args.stage, args.layout, args.degree, args.rank, args.whole, args.path, args.precision,
-                  args.random_init)
+    row = measure(
+        args.model,
+        args.stage,
+        args.layout,
+        args.degree,
+        args.rank,
+        args.whole,
+        args.path,
+        args.precision,
+        args.random_init,
+    )
     print(json.dumps(row))
     return 0
 

@@ -42,11 +42,16 @@ def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload) -> Config
     shared = cfg.pipeline.shared
     need = max(nv, nt) if shared else nv + nt
     if gpus is not None and gpus != need:
-        how = (f"shared placement puts vision actor b and text actor b on GPU b: max(vision.num_actors, "
-               f"text.num_actors) = {need}" if shared
-               else f"disjoint pools: vision.num_actors + text.num_actors = {need}")
-        raise ConfigError(f"--gpus {gpus} does not match the layout ({how}); set the pools' num_actors to fill "
-                          f"{gpus} GPUs or pass --gpus {need}")
+        how = (
+            f"shared placement puts vision actor b and text actor b on GPU b: max(vision.num_actors, "
+            f"text.num_actors) = {need}"
+            if shared
+            else f"disjoint pools: vision.num_actors + text.num_actors = {need}"
+        )
+        raise ConfigError(
+            f"--gpus {gpus} does not match the layout ({how}); set the pools' num_actors to fill "
+            f"{gpus} GPUs or pass --gpus {need}"
+        )
     per_gpu = 0.5 if shared and min(nv, nt) == max(nv, nt) else 1.0
     cfg.vision.num_gpus_per_actor = cfg.text.num_gpus_per_actor = per_gpu
     if shared and nv != nt:  # the larger pool's extra actors have a GPU to themselves
@@ -63,8 +68,13 @@ def predict(cfg: Config, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     result = step_time(cfg, mc, prof, w)
     patches = w.image_patches * result["samples_per_microbatch"]
     mem = plan(cfg, mc, prof.memory_gib if prof.kind == "gpu" else None, vision_patches=patches)
-    return {**result, "fits": mem["fits"] is not False, "memory_per_device_gib": mem["per_device"] / GIB,
-            "memory_source": mem["device_source"], "layout": describe(cfg)}
+    return {
+        **result,
+        "fits": mem["fits"] is not False,
+        "memory_per_device_gib": mem["per_device"] / GIB,
+        "memory_source": mem["device_source"],
+        "layout": describe(cfg),
+    }
 
 
 def describe(cfg: Config) -> str:
@@ -74,29 +84,39 @@ def describe(cfg: Config) -> str:
         s = getattr(cfg, stage)
         reps = s.num_actors // s.degree
         return f"{layout_class(stage, s.parallelism).label}{s.degree if s.degree > 1 else ''}" + (
-            f" x{reps}" if reps > 1 else "")
+            f" x{reps}" if reps > 1 else ""
+        )
 
     ac = "/".join("AC" if ActivationCheckpointing.of(s).recomputes else "-" for s in (cfg.vision, cfg.text))
-    return (f"vision {pool('vision')} | text {pool('text')} | {cfg.pipeline.placement} | "
-            f"in flight {cfg.pipeline.max_in_flight} | ckpt {ac} | {cfg.model.precision}")
+    return (
+        f"vision {pool('vision')} | text {pool('text')} | {cfg.pipeline.placement} | "
+        f"in flight {cfg.pipeline.max_in_flight} | ckpt {ac} | {cfg.model.precision}"
+    )
 
 
 def table(r: dict[str, Any]) -> str:
-    lines = [f"{r['layout']}",
-             f"workload: {r['image_patches']} patches + {r['text_tokens']} text tokens per sample, "
-             f"{r['samples_per_microbatch']} per micro-batch, global batch {r['global_batch_size']}, "
-             f"{r['microbatches_per_text_replica']} micro-batches per text replica; profile {r['profile']}",
-             "", "| part | seconds per step (one rank) |", "|---|---:|"]
+    lines = [
+        f"{r['layout']}",
+        f"workload: {r['image_patches']} patches + {r['text_tokens']} text tokens per sample, "
+        f"{r['samples_per_microbatch']} per micro-batch, global batch {r['global_batch_size']}, "
+        f"{r['microbatches_per_text_replica']} micro-batches per text replica; profile {r['profile']}",
+        "",
+        "| part | seconds per step (one rank) |",
+        "|---|---:|",
+    ]
     for part, sec in sorted(r["parts_s"].items(), key=lambda kv: -kv[1]):
         if sec > 0:
             lines.append(f"| {part} | {sec:.4f} |")
-    lines += ["", f"micro-batch calls: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in r['per_call_s'].items())}",
-              f"simulated micro-batch makespan {r['makespan_s']:.3f} s (pipeline bubble {r['bubble_s']:.3f} s on "
-              f"the busiest device) + gradient sync {r['tail_s']['grad_sync']:.3f} s + optimizer "
-              f"{r['tail_s']['optimizer']:.3f} s",
-              f"step {r['step_s']:.3f} s; {r['vision_tokens_per_s']:.0f} vision tokens/s; memory "
-              f"{r['memory_per_device_gib']:.1f} GiB per device ({'fits' if r['fits'] else 'DOES NOT FIT'}; "
-              f"{r['memory_source']})"]
+    lines += [
+        "",
+        f"micro-batch calls: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in r['per_call_s'].items())}",
+        f"simulated micro-batch makespan {r['makespan_s']:.3f} s (pipeline bubble {r['bubble_s']:.3f} s on "
+        f"the busiest device) + gradient sync {r['tail_s']['grad_sync']:.3f} s + optimizer "
+        f"{r['tail_s']['optimizer']:.3f} s",
+        f"step {r['step_s']:.3f} s; {r['vision_tokens_per_s']:.0f} vision tokens/s; memory "
+        f"{r['memory_per_device_gib']:.1f} GiB per device ({'fits' if r['fits'] else 'DOES NOT FIT'}; "
+        f"{r['memory_source']})",
+    ]
     return "\n".join(lines)
 
 
@@ -142,8 +162,11 @@ def search(base: Config, mc: Any, prof: Profile, gpus: int, w: Workload) -> list
     from dhp.models.parallel.checks import check_layout
 
     rows = []
-    levers = [(va, ta, precision) for precision in ("fp32", "bf16")
-              for va, ta in (("none", "none"), ("full", "none"), ("none", "full"), ("full", "full"))]
+    levers = [
+        (va, ta, precision)
+        for precision in ("fp32", "bf16")
+        for va, ta in (("none", "none"), ("full", "none"), ("none", "full"), ("full", "full"))
+    ]
     for layout in candidates(base, gpus):
         for samples, in_flight in itertools.product((1, 2, 4), (1, 2, 4)):
             cfg = copy.deepcopy(layout)
@@ -166,11 +189,15 @@ def search(base: Config, mc: Any, prof: Profile, gpus: int, w: Workload) -> list
 
 
 def search_table(rows: list[dict[str, Any]], top: int) -> str:
-    lines = ["| # | layout | samples / micro-batch | step s | vision tokens/s | GiB / GPU |",
-             "|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| # | layout | samples / micro-batch | step s | vision tokens/s | GiB / GPU |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for i, r in enumerate(rows[:top], 1):
-        lines.append(f"| {i} | {r['layout']} | {r['samples_per_microbatch']} | {r['step_s']:.3f} | "
-                     f"{r['vision_tokens_per_s']:.0f} | {r['memory_per_device_gib']:.1f} |")
+        lines.append(
+            f"| {i} | {r['layout']} | {r['samples_per_microbatch']} | {r['step_s']:.3f} | "
+            f"{r['vision_tokens_per_s']:.0f} | {r['memory_per_device_gib']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -216,7 +243,7 @@ def main(args: Any) -> int:
         save_config(rows[0]["config"], out)
         print(f"\nbest layout written to {out} (dhp train --config {out})")
         if args.json:
-            write_json(args.json, [_json_row(r) for r in rows[:args.top]], default=str)
+            write_json(args.json, [_json_row(r) for r in rows[: args.top]], default=str)
         return 0
     check_layout(cfg, mc)
     cfg = prepare(cfg, prof, args.gpus, w)

@@ -56,8 +56,10 @@ def summarize(records: list[dict[str, Any]], run_summary: dict[str, Any] | None,
         "last_loss": records[-1]["loss"],
         "eval_loss": evals[-1] if evals else None,
         "eval_points": len(evals),
-        **{f"mean_{k}": _mean(records, k) for k in
-           ("tokens_per_s", "mfu", "model_tflops_per_s", "vision_busy", "text_busy", "bubble", "step_time_s")},
+        **{
+            f"mean_{k}": _mean(records, k)
+            for k in ("tokens_per_s", "mfu", "model_tflops_per_s", "vision_busy", "text_busy", "bubble", "step_time_s")
+        },
         "unreadable_lines": bad_lines,
         "skipped": None,
     }
@@ -85,9 +87,13 @@ def table(s: dict[str, Any]) -> str:
         ("mean vision busy", _fmt(s["mean_vision_busy"], ".3f")),
         ("mean text busy", _fmt(s["mean_text_busy"], ".3f")),
         ("mean bubble", _fmt(s["mean_bubble"], ".3f")),
-        ("skipped records", "- (no summary.json)" if skipped is None else
-         f"{sum(skipped.values())}" + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})"
-                                       if skipped else "")),
+        (
+            "skipped records",
+            "- (no summary.json)"
+            if skipped is None
+            else f"{sum(skipped.values())}"
+            + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(skipped.items()))})" if skipped else ""),
+        ),
     ]
     if s["unreadable_lines"]:
         rows.append(("unreadable lines", str(s["unreadable_lines"])))

@@ -120,9 +120,14 @@ class ActorGroup:
 
         def start() -> list[TrackedActor]:
             actors = [
-                TrackedActor(remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, **options(rank)).remote(
-                    *init_args, rank=rank, world_size=num_actors, torch_threads=torch_threads
-                ), name, rank, self.ledger)
+                TrackedActor(
+                    remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, **options(rank)).remote(
+                        *init_args, rank=rank, world_size=num_actors, torch_threads=torch_threads
+                    ),
+                    name,
+                    rank,
+                    self.ledger,
+                )
                 for rank in range(num_actors)
             ]
             pings = [a.ping.remote() for a in actors]
@@ -151,8 +156,10 @@ class ActorGroup:
             # a second death is reported as is.
             if died.actor_init_failed:
                 raise
-            print(f"{name}: a rank's process died while starting ({str(died).splitlines()[0]}); "
-                  "starting the pool again", flush=True)
+            print(
+                f"{name}: a rank's process died while starting ({str(died).splitlines()[0]}); starting the pool again",
+                flush=True,
+            )
             self.actors = start()
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])

@@ -145,16 +145,22 @@ class CudaIpcTransport(Transport):
 
     def check(self, cfg: Any) -> str | None:
         gpus = (cfg.vision.num_gpus_per_actor, cfg.text.num_gpus_per_actor)
-        if all(g > 0 for g in gpus) and sum(gpus) <= 1 and cfg.pipeline.shared and \
-                cfg.vision.num_actors == cfg.text.num_actors == 1:
+        if (
+            all(g > 0 for g in gpus)
+            and sum(gpus) <= 1
+            and cfg.pipeline.shared
+            and cfg.vision.num_actors == cfg.text.num_actors == 1
+        ):
             return None
-        return ("pipeline.boundary=cuda_ipc maps GPU memory between actors Ray gave the same GPU, so both pools "
-                "must share one GPU: pipeline.placement=shared, vision.num_actors=text.num_actors=1, and "
-                "vision.num_gpus_per_actor and text.num_gpus_per_actor above 0 and together at most 1 (e.g. 0.5 "
-                "each); got "
-                f"placement {cfg.pipeline.placement}, {cfg.vision.num_actors} vision and {cfg.text.num_actors} "
-                f"text actors with {cfg.vision.num_gpus_per_actor:g} and {cfg.text.num_gpus_per_actor:g} GPUs "
-                "each. Use pipeline.boundary=host otherwise")
+        return (
+            "pipeline.boundary=cuda_ipc maps GPU memory between actors Ray gave the same GPU, so both pools "
+            "must share one GPU: pipeline.placement=shared, vision.num_actors=text.num_actors=1, and "
+            "vision.num_gpus_per_actor and text.num_gpus_per_actor above 0 and together at most 1 (e.g. 0.5 "
+            "each); got "
+            f"placement {cfg.pipeline.placement}, {cfg.vision.num_actors} vision and {cfg.text.num_actors} "
+            f"text actors with {cfg.vision.num_gpus_per_actor:g} and {cfg.text.num_gpus_per_actor:g} GPUs "
+            "each. Use pipeline.boundary=host otherwise"
+        )
 
 
 TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (HostTransport, CudaIpcTransport)}
@@ -165,4 +171,3 @@ def transport_of(name: str) -> Transport:
     if name not in TRANSPORTS:
         raise ValueError(f"pipeline.boundary must be one of {', '.join(TRANSPORTS)}, got {name!r}")
     return TRANSPORTS[name]()
-

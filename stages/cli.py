@@ -199,8 +199,10 @@ def _plan(args: argparse.Namespace) -> int:
     if result["fits"] is False:
         print("what would fit: " + "; ".join(advice(cfg, result, model_config)))
     if args.json:
-        rows = [{**r.row(), "per_device": result["per_device"], "device": result["device"], "fits": result["fits"]}
-                for r in result["ranks"].values()]
+        rows = [
+            {**r.row(), "per_device": result["per_device"], "device": result["device"], "fits": result["fits"]}
+            for r in result["ranks"].values()
+        ]
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 1 if result["fits"] is False else 0

@@ -316,8 +316,10 @@ def _coerce(tp: Any, value: Any, key: str, origin: str) -> Any:
         key_tp, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             raise ConfigError(f"{origin}: {key!r} must be a mapping, got {value!r}")
-        return {_coerce(key_tp, k, f"{key}.{k}", origin): _coerce(value_tp, v, f"{key}.{k}", origin)
-                for k, v in value.items()}
+        return {
+            _coerce(key_tp, k, f"{key}.{k}", origin): _coerce(value_tp, v, f"{key}.{k}", origin)
+            for k, v in value.items()
+        }
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             got = f"{value!r} ({type(value).__name__})"
@@ -366,13 +368,20 @@ def validate(config: Config) -> None:
         (d.max_seq_len <= d.microbatch_tokens, "data.max_seq_len must be <= data.microbatch_tokens"),
         (d.preprocess_workers >= 1, "data.preprocess_workers must be >= 1"),
         (d.timeout_s >= 0, "data.timeout_s must be >= 0 (0 = no deadline)"),
-        (d.webdataset.prompt.count("<image>") == 1,
-         f"data.webdataset.prompt must hold <image> exactly once (where the photo goes), got {d.webdataset.prompt!r}"),
+        (
+            d.webdataset.prompt.count("<image>") == 1,
+            "data.webdataset.prompt must hold <image> exactly once (where the photo goes), "
+            f"got {d.webdataset.prompt!r}",
+        ),
         (bool(d.webdataset.caption.strip()), "data.webdataset.caption must name `txt` or a field of the .json member"),
-        (min(t.checkpoint_every, t.keep_last, t.max_restarts) >= 0,
-         "training.checkpoint_every, keep_last and max_restarts must be >= 0"),
-        (min(t.step_timeout_s, t.step_timeout_min_s, t.preempt_grace_s, t.rebuild_timeout_s) >= 0,
-         "training.step_timeout_s, step_timeout_min_s, preempt_grace_s and rebuild_timeout_s must be >= 0"),
+        (
+            min(t.checkpoint_every, t.keep_last, t.max_restarts) >= 0,
+            "training.checkpoint_every, keep_last and max_restarts must be >= 0",
+        ),
+        (
+            min(t.step_timeout_s, t.step_timeout_min_s, t.preempt_grace_s, t.rebuild_timeout_s) >= 0,
+            "training.step_timeout_s, step_timeout_min_s, preempt_grace_s and rebuild_timeout_s must be >= 0",
+        ),
         (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),
     ]
     for stage in ("vision", "text"):
@@ -383,8 +392,10 @@ def validate(config: Config) -> None:
                 s.degree >= 1 and s.num_actors % s.degree == 0,
                 f"{stage}.num_actors must be a multiple of {stage}.degree",
             ),
-            (s.num_cpus_per_actor >= 0 and s.num_gpus_per_actor >= 0 and min(s.resources.values(), default=0) >= 0,
-             f"{stage} resources must be >= 0"),
+            (
+                s.num_cpus_per_actor >= 0 and s.num_gpus_per_actor >= 0 and min(s.resources.values(), default=0) >= 0,
+                f"{stage} resources must be >= 0",
+            ),
             (s.activation_checkpointing_every >= 1, f"{stage}.activation_checkpointing_every must be >= 1"),
         ]
     for ok, message in checks:

@@ -71,13 +71,19 @@ def init_ray(cfg: Config) -> None:
         # Ray's notices at a local start (token auth is on, as dhp wants it; "Started a local Ray instance") are not
         # the user's business: the console keeps dhp's own lines and Ray's warnings about the run itself.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True,
-                 logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            num_cpus=cfg.ray.num_cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            logging_level=logging.WARNING,
+        )
 
 
 # model.attn_implementation -> (the module it imports, its package, how to install it), for those torch lacks
-ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn", "pip install flash-attn --no-build-isolation, "
-                                                                       "CUDA only")}
+ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn", "pip install flash-attn --no-build-isolation, CUDA only")
+}
 
 
 def check_attention(implementation: str) -> None:
@@ -135,9 +141,18 @@ def train(cfg: Config) -> dict[str, Any]:
                     break
                 except Preempted as p:
                     print(p, flush=True)  # the line a person or a scheduler looks for
-                    _write_summary(run_dir, {"run_dir": str(run_dir), "preempted": {
-                        "step": p.step, "checkpoint": str(p.checkpoint) if p.checkpoint else None,
-                        "signal": p.signal_name}, "restarts": faults})
+                    _write_summary(
+                        run_dir,
+                        {
+                            "run_dir": str(run_dir),
+                            "preempted": {
+                                "step": p.step,
+                                "checkpoint": str(p.checkpoint) if p.checkpoint else None,
+                                "signal": p.signal_name,
+                            },
+                            "restarts": faults,
+                        },
+                    )
                     raise
                 except StepInvariantError as e:  # a gradient that went nowhere: a bug, not retried; one line
                     raise TrainingFailed(one_line(getattr(e, "cause", e))) from None  # (an actor's: Ray's wrapper)
@@ -155,8 +170,11 @@ def train(cfg: Config) -> dict[str, Any]:
                             f"{kind} and training.max_restarts={cfg.training.max_restarts} restarts are used up; "
                             f"last error: {faults[-1]['error']}"
                         ) from None
-                    print(f"fault ({kind}): {faults[-1]['error']}; rebuilding both pools and resuming from the last "
-                          f"checkpoint (restart {len(faults)}/{cfg.training.max_restarts})", flush=True)
+                    print(
+                        f"fault ({kind}): {faults[-1]['error']}; rebuilding both pools and resuming from the last "
+                        f"checkpoint (restart {len(faults)}/{cfg.training.max_restarts})",
+                        flush=True,
+                    )
                 finally:
                     if trainer is not None:
                         trainer.shutdown()  # every actor and placement group of this attempt: nothing orphaned
@@ -190,9 +208,11 @@ def _repeated(first: dict[str, Any], again: dict[str, Any], restarts: int) -> st
     def at(fault: dict[str, Any]) -> str:
         return time.strftime("%H:%M:%S", time.localtime(fault["detected_at"]))
 
-    return (f"{where} failed the same way after restart {restarts}, so it would again: {first['kind']} both times, "
-            f"at {at(first)} ({first['error']}) and at {at(again)} ({again['error']}); stopping instead of "
-            f"restarting up to training.max_restarts times")
+    return (
+        f"{where} failed the same way after restart {restarts}, so it would again: {first['kind']} both times, "
+        f"at {at(first)} ({first['error']}) and at {at(again)} ({again['error']}); stopping instead of "
+        f"restarting up to training.max_restarts times"
+    )
 
 
 def _one_line(e: Exception) -> str:
@@ -282,8 +302,11 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
                 files["quarantine"].writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)
             files["quarantine"].flush()
             stats = trainer.train_step(batches)
-            record = {"step": step, **stats, **run_log.throughput(batches, trainer.model_config,
-                                                                   stats["step_time_s"], peak.flops)}
+            record = {
+                "step": step,
+                **stats,
+                **run_log.throughput(batches, trainer.model_config, stats["step_time_s"], peak.flops),
+            }
             record.update(data_wait_s=round(waited, 4), time=time.time())
             if step == steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()
@@ -291,8 +314,9 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
             files["metrics"].flush()
             # Which samples this step trained (epoch, source), per data-parallel stream: the audit that no
             # sample is lost or repeated across faults and resumes.
-            files["samples"].writelines(json.dumps({"step": step, "replica": r, "ids": b.ids}) + "\n"
-                                        for r, b in enumerate(batches))
+            files["samples"].writelines(
+                json.dumps({"step": step, "replica": r, "ids": b.ids}) + "\n" for r, b in enumerate(batches)
+            )
             files["samples"].flush()
             tb.log(record)
             saved = None
@@ -336,20 +360,29 @@ def _save(trainer, root: Path, batches: list, t: Any) -> Path | None:
         previous, _ = latest_valid(root)
         kept = f"{previous.name} is intact (verified)" if previous else "there is no earlier checkpoint"
         cluster_fault = fault_kind(e, trainer)
-        then = ("resuming from it after the rebuild" if cluster_fault else
-                "stopping (training.on_checkpoint_error=stop)" if t.stops_on_checkpoint_error else
-                "training continues, the next checkpoint is tried at its interval")
+        then = (
+            "resuming from it after the rebuild"
+            if cluster_fault
+            else "stopping (training.on_checkpoint_error=stop)"
+            if t.stops_on_checkpoint_error
+            else "training continues, the next checkpoint is tried at its interval"
+        )
         print(f"checkpoint of step {trainer.step} failed ({_one_line(e)}); {kept}; {then}", flush=True)
         if cluster_fault:
             raise  # the caller rebuilds the pools and resumes from `previous`
         if t.stops_on_checkpoint_error:
-            raise TrainingFailed(f"the checkpoint of step {trainer.step} could not be written ({_one_line(e)}) and "
-                                 f"training.on_checkpoint_error=stop") from None
+            raise TrainingFailed(
+                f"the checkpoint of step {trainer.step} could not be written ({_one_line(e)}) and "
+                f"training.on_checkpoint_error=stop"
+            ) from None
         return None
 
 
 def _check_grace(step_s: float, save_s: float, grace_s: float) -> None:
     if step_s + save_s > grace_s:
-        print(f"warning: a step ({step_s:.1f} s) plus a checkpoint write ({save_s:.1f} s) take longer than "
-              f"training.preempt_grace_s={grace_s:g} s: a preemption may end the run before its checkpoint is "
-              f"written", flush=True)
+        print(
+            f"warning: a step ({step_s:.1f} s) plus a checkpoint write ({save_s:.1f} s) take longer than "
+            f"training.preempt_grace_s={grace_s:g} s: a preemption may end the run before its checkpoint is "
+            f"written",
+            flush=True,
+        )

@@ -54,8 +54,12 @@ def misrouted(calls: list[Any], num_vision: int) -> list[Any]:
     is not lockstep: a lockstep pool's padding has the same id on every replica, so a moved one would run."""
     if os.environ.get(MISROUTE, "") != "1":
         return calls
-    return [dataclasses.replace(c, members=tuple(((r + 1) % num_vision, k) for r, k in c.members))
-            if c.kind == VISION_BACKWARD else c for c in calls]
+    return [
+        dataclasses.replace(c, members=tuple(((r + 1) % num_vision, k) for r, k in c.members))
+        if c.kind == VISION_BACKWARD
+        else c
+        for c in calls
+    ]
 
 
 def never_join(module: str, collective: str) -> None:

@@ -24,8 +24,9 @@ def lost_nodes(nodes: set[str], timeout_s: float | None) -> set[str]:
     listed = nodes & alive
     if timeout_s is None:
         return nodes - listed
-    probes = [_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-              for node in listed]
+    probes = [
+        _here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote() for node in listed
+    ]
     ready, pending = ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
     for ref in pending:  # a task for a node that is gone would otherwise wait for it forever
         ray.cancel(ref)

@@ -101,8 +101,10 @@ def check_resources(cfg: Config, wait_s: float = 0.0) -> None:
     name, (n, have) = next(iter(short.items()))
     if name in ("CPU", "GPU"):
         per_actor = "num_cpus_per_actor" if name == "CPU" else "num_gpus_per_actor"
-        hint = (f"lower vision/text.{per_actor} (or data.preprocess_num_cpus), give a local Ray more logical CPUs "
-                f"(ray.num_cpus), or add resources")
+        hint = (
+            f"lower vision/text.{per_actor} (or data.preprocess_num_cpus), give a local Ray more logical CPUs "
+            f"(ray.num_cpus), or add resources"
+        )
     else:
         hint = f"start nodes that offer it (ray start --resources='{{\"{name}\": N}}') or change vision/text.resources"
     raise ConfigError(f"pools and data pipeline need {_shortfall(short)}: {hint}")

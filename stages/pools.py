@@ -81,8 +81,9 @@ class VisionPool(StagePool):
         inputs None: a padding micro-batch (see the class docstring): no call unless the layout is lockstep.
         The layout says what each rank encodes and whose output crosses (`rank_inputs`, `crossing`)."""
         per_rank = self.layout.rank_inputs(inputs)
-        return self.layout.crossing([self._crossing(a.forward).remote(mb_id, x)
-                                     for a, x in zip(self.replica(replica), per_rank)])
+        return self.layout.crossing(
+            [self._crossing(a.forward).remote(mb_id, x) for a, x in zip(self.replica(replica), per_rank)]
+        )
 
     def backward(self, replica: int, mb_id: int, grads: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
         """grads[j]: d loss / d crossing output j; none only for a padding micro-batch (zeros)."""
@@ -91,13 +92,19 @@ class VisionPool(StagePool):
 
     def forward_eval(self, replica: int, inputs: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
         per_rank = self.layout.rank_inputs(inputs)
-        return self.layout.crossing([self._crossing(a.forward_eval).remote(x)
-                                     for a, x in zip(self.replica(replica), per_rank)])
+        return self.layout.crossing(
+            [self._crossing(a.forward_eval).remote(x) for a, x in zip(self.replica(replica), per_rank)]
+        )
 
 
 class TextPool(StagePool):
     def forward_backward(
-        self, replica: int, mb_id: int, inputs: ray.ObjectRef | None, shards: list[ray.ObjectRef], loss_scale: float,
+        self,
+        replica: int,
+        mb_id: int,
+        inputs: ray.ObjectRef | None,
+        shards: list[ray.ObjectRef],
+        loss_scale: float,
         want_grads: bool = True,
     ) -> tuple[ray.ObjectRef | None, list[ray.ObjectRef]]:
         """-> (ref of the micro-batch's scaled loss, refs of d loss / d shard, one per vision rank; none
@@ -115,7 +122,8 @@ class TextPool(StagePool):
         send = bool(shards) and want_grads
         separate = send and self.transport.direct  # one return per Ray Direct Transport call
         out = first.forward_backward.options(num_returns=1 + len(shards) * (send and not separate)).remote(
-            mb_id, inputs, loss_scale, *shards, send_grads=send)
+            mb_id, inputs, loss_scale, *shards, send_grads=send
+        )
         out = out if send and not separate else [out]  # one return is a bare reference
         if separate:
             out += [self._crossing(first.gradient).remote(mb_id, j) for j in range(len(shards))]

@@ -52,8 +52,11 @@ class Preemption:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         if not self.requested:
             self.signal_name, self.at = signal.Signals(signum).name, time.monotonic()
-            print(f"{self.signal_name} received: finishing the current step, then a checkpoint (grace "
-                  f"{self.grace_s:g} s; Ctrl-C again to stop at once)", flush=True)
+            print(
+                f"{self.signal_name} received: finishing the current step, then a checkpoint (grace "
+                f"{self.grace_s:g} s; Ctrl-C again to stop at once)",
+                flush=True,
+            )
 
     @contextmanager
     def installed(self) -> Iterator[Preemption]:

@@ -63,8 +63,10 @@ class Progress:
                 if next(module.parameters(recurse=False), None) is None:
                     continue
                 label = f"block {i}" + (f" {name}" if name else "")
-                handles += [module.register_forward_pre_hook(self._forward_hook(f"{label} forward")),
-                            module.register_forward_hook(self._output_hook(f"{label} backward"))]
+                handles += [
+                    module.register_forward_pre_hook(self._forward_hook(f"{label} forward")),
+                    module.register_forward_hook(self._output_hook(f"{label} backward")),
+                ]
         return handles
 
     def _forward_hook(self, label: str):
@@ -86,8 +88,14 @@ class Progress:
     def snapshot(self) -> dict[str, Any]:
         """What the heartbeat answers (plain values: it crosses Ray)."""
         call, thread = self.call, self._thread
-        return {"pid": os.getpid(), "count": self.count, "still_s": time.monotonic() - self.moved, "call": call,
-                "where": self.where, "at": _stack_of(thread) if call is not None and thread is not None else ""}
+        return {
+            "pid": os.getpid(),
+            "count": self.count,
+            "still_s": time.monotonic() - self.moved,
+            "call": call,
+            "where": self.where,
+            "at": _stack_of(thread) if call is not None and thread is not None else "",
+        }
 
 
 def _stack_of(thread: int) -> str:

@@ -55,7 +55,11 @@ def store(host: str, port: int, world_size: int, rank: int, sock: socket.socket 
 
     master = rank == 0
     return dist.TCPStore(
-        host, port, world_size, master, timeout=timedelta(seconds=timeout_s),
+        host,
+        port,
+        world_size,
+        master,
+        timeout=timedelta(seconds=timeout_s),
         master_listen_fd=sock.fileno() if master else None,
     )
 

@@ -58,15 +58,19 @@ def startup_summary(cfg: Config, run_dir: Path, first: int, peak: Peak) -> str:
     for stage in ("vision", "text"):
         s = getattr(cfg, stage)
         actors = f"{s.num_actors} actor{'s' * (s.num_actors != 1)}"
-        stages.append(f"{stage} {s.parallelism} x{s.degree} ({actors}, dp {s.num_actors // s.degree}, "
-                      f"{s.num_cpus_per_actor:g} CPU {s.num_gpus_per_actor:g} GPU each)")
-    return "\n".join([
-        f"run {run_dir}: steps {first}-{t.steps}, global batch {t.global_batch_size}, model "
-        f"{m.path or m.name} ({m.dtype})",
-        f"layout: {', '.join(stages)}; pipeline max_in_flight {cfg.pipeline.max_in_flight}, "
-        f"placement {cfg.pipeline.placement}",
-        peak.description,
-    ])
+        stages.append(
+            f"{stage} {s.parallelism} x{s.degree} ({actors}, dp {s.num_actors // s.degree}, "
+            f"{s.num_cpus_per_actor:g} CPU {s.num_gpus_per_actor:g} GPU each)"
+        )
+    return "\n".join(
+        [
+            f"run {run_dir}: steps {first}-{t.steps}, global batch {t.global_batch_size}, model "
+            f"{m.path or m.name} ({m.dtype})",
+            f"layout: {', '.join(stages)}; pipeline max_in_flight {cfg.pipeline.max_in_flight}, "
+            f"placement {cfg.pipeline.placement}",
+            peak.description,
+        ]
+    )
 
 
 def throughput(batches: list[Any], model_config: Any, step_time_s: float, peak_flops: float) -> dict[str, Any]:
@@ -102,13 +106,21 @@ class Progress:
     and last step of the run. The ETA is paced on the steps of this process only: after a resume the steps
     restored from the checkpoint took no time here, and the first step here carries start-up costs."""
 
-    def __init__(self, total: int, done: int = 0, every: int = 10, interactive: bool | None = None,
-                 file: TextIO | None = None):
+    def __init__(
+        self, total: int, done: int = 0, every: int = 10, interactive: bool | None = None, file: TextIO | None = None
+    ):
         self.total, self.done, self.every = total, done, max(1, every)
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.file = file
-        self.bar = tqdm(total=total, initial=done, desc="train", unit="step", disable=not self.interactive,
-                        file=file, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total,
+            initial=done,
+            desc="train",
+            unit="step",
+            disable=not self.interactive,
+            file=file,
+            dynamic_ncols=True,
+        )
         self.mark: tuple[float, int] | None = None  # (time, step) after this process's first step
         self.start = time.perf_counter()
         self.eval_loss: float | None = None
@@ -132,8 +144,13 @@ class Progress:
         if record.get("eval_loss") is not None:
             self.eval_loss = record["eval_loss"]
         self.bar.update(1)
-        post = dict(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2%}",
-                    busy_vt=f"{record['vision_busy']:.2f}/{record['text_busy']:.2f}", bubble=f"{record['bubble']:.2f}")
+        post = dict(
+            loss=f"{record['loss']:.3f}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            mfu=f"{record['mfu']:.2%}",
+            busy_vt=f"{record['vision_busy']:.2f}/{record['text_busy']:.2f}",
+            bubble=f"{record['bubble']:.2f}",
+        )
         if self.eval_loss is not None:
             post["eval"] = f"{self.eval_loss:.3f}"
         self.bar.set_postfix(post)
@@ -142,9 +159,11 @@ class Progress:
 
     def line(self, record: dict[str, Any]) -> str:
         step = record["step"]
-        text = (f"step {step}/{self.total} loss {record['loss']:.4f} tok/s {record['tokens_per_s']:.0f} "
-                f"mfu {record['mfu']:.2%} busy vision/text {record['vision_busy']:.2f}/{record['text_busy']:.2f} "
-                f"bubble {record['bubble']:.2f} eta {fmt_duration(self.eta(step))}")
+        text = (
+            f"step {step}/{self.total} loss {record['loss']:.4f} tok/s {record['tokens_per_s']:.0f} "
+            f"mfu {record['mfu']:.2%} busy vision/text {record['vision_busy']:.2f}/{record['text_busy']:.2f} "
+            f"bubble {record['bubble']:.2f} eta {fmt_duration(self.eta(step))}"
+        )
         if record.get("eval_loss") is not None:
             text += f" eval_loss {record['eval_loss']:.4f}"
         return text
@@ -152,10 +171,16 @@ class Progress:
 
 # metrics.jsonl field -> TensorBoard tag
 TAGS = {
-    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-    "tokens_per_s": "throughput/tokens_per_s", "model_tflops_per_s": "throughput/model_tflops_per_s",
-    "mfu": "throughput/mfu", "vision_busy": "pipeline/vision_busy", "text_busy": "pipeline/text_busy",
-    "bubble": "pipeline/bubble", "eval_loss": "eval/loss",
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "model_tflops_per_s": "throughput/model_tflops_per_s",
+    "mfu": "throughput/mfu",
+    "vision_busy": "pipeline/vision_busy",
+    "text_busy": "pipeline/text_busy",
+    "bubble": "pipeline/bubble",
+    "eval_loss": "eval/loss",
 }
 
 

@@ -56,8 +56,9 @@ def build_optimizer(module: nn.Module, cfg: Config, zero_group: Any = NOT_SHARDE
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group,
-                                            **kwargs)
+        optimizer = ZeroRedundancyOptimizer(
+            groups, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs
+        )
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps, min_lr_rate=t.min_lr_ratio
     )
@@ -145,8 +146,13 @@ class StageWorker(DistributedWorker):
         self.fine_tuning = FineTuning(self.cfg)
         self.trains = self.fine_tuning.trains(self.stage)
         self.model, self.full_shapes = build_stage(
-            lambda: self.build_model(self.model_config), self.layout, self.ranks, self.precision,
-            seed=self.cfg.model.init_seed, path=self.cfg.model.path, freeze=self.fine_tuning.freeze,
+            lambda: self.build_model(self.model_config),
+            self.layout,
+            self.ranks,
+            self.precision,
+            seed=self.cfg.model.init_seed,
+            path=self.cfg.model.path,
+            freeze=self.fine_tuning.freeze,
             init=random_init(self.cfg.model.random_init),
         )
         self.adapt()
@@ -156,7 +162,8 @@ class StageWorker(DistributedWorker):
         self.optimizer = self.scheduler = None  # a frozen stage: no optimizer state at all
         if self.trains:
             self.optimizer, self.scheduler = build_optimizer(
-                self.model, self.cfg, zero_group=self.layout.optimizer_shard_group(self.ranks))
+                self.model, self.cfg, zero_group=self.layout.optimizer_shard_group(self.ranks)
+            )
         self._synced = False  # gradients summed over data-parallel replicas for this step?
         self._measured: list[dict[str, int]] | None = None  # measure_activations' records while it is on
 
@@ -189,8 +196,11 @@ class StageWorker(DistributedWorker):
             return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
 
         params = list(self.model.parameters())  # a tied parameter once
-        return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
-                "optimizer": nbytes(self._moments())}
+        return {
+            "params": nbytes(params),
+            "grads": nbytes(p.grad for p in params if p.grad is not None),
+            "optimizer": nbytes(self._moments()),
+        }
 
     def measure_activations(self, on: bool = True) -> list[dict[str, int]]:
         """Start (on) or stop recording, per training forward, the bytes it keeps for backward (saved-tensor
@@ -257,8 +267,11 @@ class StageWorker(DistributedWorker):
         The norm is torch's fused multi-tensor one (fp32 accumulation, as `clip_grad_norm_`): a float64
         copy of every gradient cost ~100 ms per step on the 152k-row embedding and lm_head.
         """
-        grads = [local_tensor(p.grad).detach() for p in self.model.parameters()
-                 if p.grad is not None and self.layout.reports_grad_norm(self.ranks, p)]
+        grads = [
+            local_tensor(p.grad).detach()
+            for p in self.model.parameters()
+            if p.grad is not None and self.layout.reports_grad_norm(self.ranks, p)
+        ]
         if not grads:
             return 0.0
         return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2)
@@ -377,9 +390,16 @@ class StageWorker(DistributedWorker):
         files. Scheduler and RNG come from the writer of the same rank (rank 0's when that layout had fewer).
         """
         ckpt = Path(ckpt_dir)
-        saved = self.layout if saved_layout is None else make_layout(
-            self.stage, saved_layout["parallelism"], saved_layout["degree"], saved_layout["num_actors"],
-            self.model_config,
+        saved = (
+            self.layout
+            if saved_layout is None
+            else make_layout(
+                self.stage,
+                saved_layout["parallelism"],
+                saved_layout["degree"],
+                saved_layout["num_actors"],
+                self.model_config,
+            )
         )
         own = self.layout.slicer(self.rank, self.full_shapes)
         with SavedRanks(ckpt, self.stage, saved, self.full_shapes) as files:
@@ -395,8 +415,10 @@ class StageWorker(DistributedWorker):
         writer = self.rank if self.rank < saved.num_actors else 0
         state = torch.load(ckpt / f"{self.stage}-rank{writer:05d}-state.pt", weights_only=True)
         if self.trains:
-            optim_state = {"state": {i: st for i, st in moments.items() if st},
-                           "param_groups": self.local_optimizer.state_dict()["param_groups"]}
+            optim_state = {
+                "state": {i: st for i, st in moments.items() if st},
+                "param_groups": self.local_optimizer.state_dict()["param_groups"],
+            }
             self.local_optimizer.load_state_dict(_like_params(optim_state, self.local_optimizer))
             self.scheduler.load_state_dict(state["scheduler"])
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
@@ -418,7 +440,8 @@ def _like_params(optim_state: dict[str, Any], optimizer: torch.optim.Optimizer) 
 
             st = {
                 n: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                if v.ndim else v  # moments are read onto the CPU; a DTensor's local part lives on its mesh's device
+                if v.ndim
+                else v  # moments are read onto the CPU; a DTensor's local part lives on its mesh's device
                 for n, v in st.items()
             }
         out[k] = st

@@ -51,8 +51,10 @@ class StepLedger:
         for, as the message names it)."""
         if mb_id not in self.owed:
             state = "already backwarded" if mb_id in self.done else "never forwarded"
-            self.fail(f"{what} micro-batch {mb_id}, which this rank {state} in this global batch (backwards "
-                       f"owed: {sorted(self.owed) or 'none'})")
+            self.fail(
+                f"{what} micro-batch {mb_id}, which this rank {state} in this global batch (backwards "
+                f"owed: {sorted(self.owed) or 'none'})"
+            )
         return self.owed[mb_id]
 
     def backward(self, mb_id: int) -> Any:
@@ -65,8 +67,9 @@ class StepLedger:
     def close(self) -> list[str]:
         """This global batch's broken invariants, one line each (none: every forward had its one backward), and
         a clean ledger for the next global batch. Graphs still owed are dropped with it."""
-        problems = self.errors + [f"{self.where}: micro-batch {m} was forwarded and never backwarded"
-                                  for m in sorted(self.owed)]
+        problems = self.errors + [
+            f"{self.where}: micro-batch {m} was forwarded and never backwarded" for m in sorted(self.owed)
+        ]
         self.owed, self.done, self.errors = {}, set(), []
         return problems
 

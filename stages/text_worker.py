@@ -27,8 +27,14 @@ class TextWorker(StageWorker):
 
     def adapt(self) -> None:
         if self.fine_tuning.lora is not None:  # models/lora.py: this rank's parts of the factors, split as the base
-            add_lora(self.model, self.fine_tuning.lora, self.layout, self.ranks, self.full_shapes,
-                     seed=self.cfg.model.init_seed)
+            add_lora(
+                self.model,
+                self.fine_tuning.lora,
+                self.layout,
+                self.ranks,
+                self.full_shapes,
+                seed=self.cfg.model.init_seed,
+            )
 
     def setup(self) -> None:
         super().setup()
@@ -63,8 +69,10 @@ class TextWorker(StageWorker):
             if torch.is_grad_enabled():
                 self._measured.append({"tokens": self._tokens, "bytes": saved.stop()})
 
-        self._measure_hooks = [decoder.register_forward_pre_hook(start, with_kwargs=True),
-                               decoder.register_forward_hook(stop, with_kwargs=True)]
+        self._measure_hooks = [
+            decoder.register_forward_pre_hook(start, with_kwargs=True),
+            decoder.register_forward_hook(stop, with_kwargs=True),
+        ]
 
     def _null_inputs(self) -> dict[str, torch.Tensor]:
         """Two text tokens, the second labelled: runs every layer and lm_head; used with loss_scale 0.
@@ -93,7 +101,11 @@ class TextWorker(StageWorker):
 
     @recorded("forward_backward")
     def forward_backward(
-        self, mb_id: int, inputs: dict[str, torch.Tensor] | None, loss_scale: float, *shards: WireTensor | torch.Tensor,
+        self,
+        mb_id: int,
+        inputs: dict[str, torch.Tensor] | None,
+        loss_scale: float,
+        *shards: WireTensor | torch.Tensor,
         send_grads: bool = True,
     ) -> tuple | float:
         """(loss of this micro-batch x loss_scale, d loss / d shard_1, ..., d loss / d shard_k); with
@@ -137,8 +149,10 @@ class TextWorker(StageWorker):
         (stages/step_ledger.py)."""
         left = self.step_ledger.owe(mb_id, f"the gradient of shard {j} of")
         if not left or j not in left:
-            self.step_ledger.fail(f"the gradient of shard {j} of micro-batch {mb_id}, which this rank does not hold "
-                                  f"(sent already, or no such shard; held: {sorted(left or [])})")
+            self.step_ledger.fail(
+                f"the gradient of shard {j} of micro-batch {mb_id}, which this rank does not hold "
+                f"(sent already, or no such shard; held: {sorted(left or [])})"
+            )
         g = left.pop(j)
         if not left:
             self.step_ledger.backward(mb_id)  # every shard's gradient is sent: nothing owed

@@ -57,8 +57,9 @@ class EventRecorder:
         try:
             yield
         finally:  # a failed call still occupied the actor: keep it on the timeline
-            self._events.append(StageEvent(self.stage, self.rank, name, mb, start, time.time(), self.step,
-                                           self.worker, self._copy_s))
+            self._events.append(
+                StageEvent(self.stage, self.rank, name, mb, start, time.time(), self.step, self.worker, self._copy_s)
+            )
 
     def add_copy(self, seconds: float) -> None:
         """Count `seconds` of the call being recorded as boundary copies (device <-> host)."""
@@ -117,8 +118,9 @@ BOUNDARY_CALLS = {("vision", "forward"), ("text", "forward_backward"), ("text", 
 ROUNDING_S = 1e-5  # microsecond floats of epoch seconds: comparisons allow for their rounding, nothing more
 
 
-def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_events: list[dict[str, Any]],
-                         missing_of_step: int | None = None) -> tuple[list[dict[str, Any]], int]:
+def attach_ray_transfers(
+    events: Iterable[StageEvent | dict[str, Any]], ray_events: list[dict[str, Any]], missing_of_step: int | None = None
+) -> tuple[list[dict[str, Any]], int]:
     """`events` with `receive_s` / `send_s` taken from Ray's task profile, and how many found no Ray task (of
     step `missing_of_step` only, when given: a found task's transfers may both read 0 and still be found).
 
@@ -148,7 +150,7 @@ def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_even
     def inside(tid: str, cat: str, lo: float, hi: float) -> list[tuple[float, float]]:
         spans = parts.get((tid, cat), [])
         out = []
-        for s, e in spans[bisect.bisect_left(spans, (lo - ROUNDING_S,)):]:
+        for s, e in spans[bisect.bisect_left(spans, (lo - ROUNDING_S,)) :]:
             if s > hi + ROUNDING_S:
                 break
             if e <= hi + ROUNDING_S:
@@ -172,16 +174,20 @@ def attach_ray_transfers(events: Iterable[StageEvent | dict[str, Any]], ray_even
             received = inside(tid, "task:deserialize_arguments", lo, e.start)
             sent = inside(tid, "task:store_outputs", e.end, hi)
             # the task's own parts open and close its slice; a heartbeat's fall in between
-            e = dataclasses.replace(e, receive_s=length(min(received, default=None)),
-                                    send_s=length(max(sent, key=lambda se: se[1], default=None)))
+            e = dataclasses.replace(
+                e,
+                receive_s=length(min(received, default=None)),
+                send_s=length(max(sent, key=lambda se: se[1], default=None)),
+            )
         elif missing_of_step is None or e.step == missing_of_step:
             missing += 1
         out.append(asdict(e))
     return out, missing
 
 
-def with_ray_transfers(events: list[dict[str, Any]], read_timeline: Callable[[], list[dict[str, Any]]],
-                       wait_s: float = 5.0) -> list[dict[str, Any]]:
+def with_ray_transfers(
+    events: list[dict[str, Any]], read_timeline: Callable[[], list[dict[str, Any]]], wait_s: float = 5.0
+) -> list[dict[str, Any]]:
     """`events` (every stage call so far) with Ray's argument and return transfers attached
     (`attach_ray_transfers`). `read_timeline` is `ray.timeline`. Workers report to Ray about once a second: this
     waits up to `wait_s` for the latest step's calls. Ray keeps a bounded number of task events
@@ -195,16 +201,22 @@ def with_ray_transfers(events: list[dict[str, Any]], read_timeline: Callable[[],
             try:
                 timeline = read_timeline()
             except Exception as e:  # (Ray Client, the GCS unreachable): dhp's own timings stay, and the run
-                print(f"warning: Ray's timeline could not be read ({type(e).__name__}: {e}); the trace's "
-                      "receive/send read 0", flush=True)
+                print(
+                    f"warning: Ray's timeline could not be read ({type(e).__name__}: {e}); the trace's "
+                    "receive/send read 0",
+                    flush=True,
+                )
                 return attach_ray_transfers(events, [])[0]
             # only the latest step's calls can still arrive: older unmatched ones are gone for good
             attached, late = attach_ray_transfers(events, timeline, missing_of_step=latest)
             if not late:
                 return attached
             if time.monotonic() > deadline:
-                print(f"warning: {late} of the latest step's calls found no Ray task in Ray's timeline within "
-                      f"{wait_s:g} s: their receive/send read 0", flush=True)
+                print(
+                    f"warning: {late} of the latest step's calls found no Ray task in Ray's timeline within "
+                    f"{wait_s:g} s: their receive/send read 0",
+                    flush=True,
+                )
                 return attached
             time.sleep(0.25)
     finally:
@@ -255,8 +267,11 @@ def write_chrome_trace(events: Iterable[StageEvent | dict[str, Any]], path: str 
         )
     for e in evs:
         # Ray's argument and return transfers, where attached, as slices just before and after the call.
-        for name, start, end in (("receive", e.start - e.receive_s, e.start), (e.name, e.start, e.end),
-                                 ("send", e.end, e.end + e.send_s)):
+        for name, start, end in (
+            ("receive", e.start - e.receive_s, e.start),
+            (e.name, e.start, e.end),
+            ("send", e.end, e.end + e.send_s),
+        ):
             if end > start or name == e.name:
                 trace.append(
                     {
@@ -267,8 +282,11 @@ def write_chrome_trace(events: Iterable[StageEvent | dict[str, Any]], path: str 
                         "tid": e.rank,
                         "ts": (start - origin) * 1e6,
                         "dur": max(0.0, end - start) * 1e6,
-                        "args": {"mb": e.mb, "step": e.step,
-                                 **({"copy_s": e.copy_s} if name == e.name else {"call": e.name})},
+                        "args": {
+                            "mb": e.mb,
+                            "step": e.step,
+                            **({"copy_s": e.copy_s} if name == e.name else {"call": e.name}),
+                        },
                     }
                 )
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))

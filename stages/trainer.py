@@ -108,8 +108,10 @@ class Trainer:
             for r in range(self.dp if train_paths else 0)
         ]
         # Evaluation runs on one replica per pool: its batches are whole global batches, the same in any layout.
-        evals = common | {"global_batch_size": cfg.training.global_batch_size,
-                          "settings": dataclasses.replace(settings, records=record_format(d, eval_paths or []))}
+        evals = common | {
+            "global_batch_size": cfg.training.global_batch_size,
+            "settings": dataclasses.replace(settings, records=record_format(d, eval_paths or [])),
+        }
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **evals) if eval_paths else None
         # The streams start while the pools build: Ray Data's start-up and the preprocessing processes' imports
         # (~5 s on 2 cores, `dhp bench data`) would otherwise be the first step's wait for data. The pools'
@@ -136,9 +138,16 @@ class Trainer:
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):
         s, transport = getattr(self.cfg, stage), self.cfg.pipeline.transport
         pool = pool_cls(
-            stage, worker_cls, s.num_actors, init_args=(self.cfg, self.model_config),
-            num_cpus=s.num_cpus_per_actor, num_gpus=s.num_gpus_per_actor, torch_threads=s.torch_threads,
-            degree=s.degree, placement=getattr(self.placement, stage), ledger=self.ledger,
+            stage,
+            worker_cls,
+            s.num_actors,
+            init_args=(self.cfg, self.model_config),
+            num_cpus=s.num_cpus_per_actor,
+            num_gpus=s.num_gpus_per_actor,
+            torch_threads=s.torch_threads,
+            degree=s.degree,
+            placement=getattr(self.placement, stage),
+            ledger=self.ledger,
             tensor_transport=transport.direct,
         )
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
@@ -171,8 +180,13 @@ class Trainer:
         """
         loss_scale = 1.0 / max(1, sum(b.label_tokens for b in batches))  # mean over all label tokens
         mbs = [list(b.microbatches) for b in batches]
-        calls = route([[mb.meta.patches for mb in m] for m in mbs], self.vision.dp, self.vision.layout.lockstep,
-                      self.text.layout.lockstep, self.cfg.pipeline.max_in_flight)
+        calls = route(
+            [[mb.meta.patches for mb in m] for m in mbs],
+            self.vision.dp,
+            self.vision.layout.lockstep,
+            self.text.layout.lockstep,
+            self.cfg.pipeline.max_in_flight,
+        )
         calls = misrouted(calls, self.vision.dp)  # as routed, unless a test plants a fault (fault_injection.py)
         ids = {key: n for n, key in enumerate((t, i) for t, m in enumerate(mbs) for i in range(len(m)))}
         shards, grads, losses = {}, {}, []  # refs in flight: key -> vision output shards / their gradients
@@ -186,9 +200,14 @@ class Trainer:
                     if key:
                         shards[key] = out
                 elif call.kind == TEXT_FORWARD_BACKWARD:
-                    loss, g = self.text.forward_backward(replica, mb_id, mb and mb.text,
-                                                         shards.pop(key) if key else [], loss_scale,
-                                                         want_grads=self.vision.trains)
+                    loss, g = self.text.forward_backward(
+                        replica,
+                        mb_id,
+                        mb and mb.text,
+                        shards.pop(key) if key else [],
+                        loss_scale,
+                        want_grads=self.vision.trains,
+                    )
                     losses.append(loss)
                     if key and self.vision.trains:
                         grads[key] = g
@@ -234,8 +253,10 @@ class Trainer:
                     ray.get(ref)
                 except ray.exceptions.RayTaskError:
                     pass
-            raise StepInvariantError(f"step {self.step}: not every forward of the global batch had its one backward, "
-                                     f"so no optimizer step: {'; '.join(broken)}")
+            raise StepInvariantError(
+                f"step {self.step}: not every forward of the global batch had its one backward, "
+                f"so no optimizer step: {'; '.join(broken)}"
+            )
         self._get(backwards, what)
 
     def train_step(self, batches: list[GlobalBatch]) -> dict[str, Any]:
@@ -277,9 +298,14 @@ class Trainer:
         The window runs from the first submission to the last forward/backward call's end; the grad norm
         and optimizer step (a barrier of both pools) are left out. Every actor's events are drained, so none pile up.
         """
-        events = [e for evs in self._get(
-            [a.drain_events.remote(self.step + 1) for _, pool in self.pools() for a in pool.actors],
-            f"step {self.step} (events)") for e in evs]
+        events = [
+            e
+            for evs in self._get(
+                [a.drain_events.remote(self.step + 1) for _, pool in self.pools() for a in pool.actors],
+                f"step {self.step} (events)",
+            )
+            for e in evs
+        ]
         if self.cfg.pipeline.trace:
             self.events += events
         compute = [e for e in events if e["name"] not in STEP_TAIL]
@@ -368,10 +394,18 @@ class Trainer:
             for entries in self._get(writes, f"checkpoint of step {self.step}"):
                 hashed |= entries
             self.clock.stop()
-            write_meta(tmp, self.layout(), self.step, self.model_config, lora=self._lora_meta(), partial=partial,
-                       base=self._base() if partial else None)
+            write_meta(
+                tmp,
+                self.layout(),
+                self.step,
+                self.model_config,
+                lora=self._lora_meta(),
+                partial=partial,
+                base=self._base() if partial else None,
+            )
             (tmp / "trainer_state.json").write_text(
-                json.dumps({"step": self.step, "loaders": [b.state for b in batches]}))
+                json.dumps({"step": self.step, "loaders": [b.state for b in batches]})
+            )
             save_config(self.cfg, tmp / "config.yaml")
             return commit(tmp, self.cfg.training.keep_last, hashed)
         except BaseException as e:  # a full disk, a refused write, a rank gone: the older checkpoints stay intact
@@ -391,8 +425,15 @@ class Trainer:
         saved, now = meta["layout"], self.layout()
         if saved != now:
             what = "{parallelism} degree {degree} x {num_actors} actors".format
-            print("resume: resharding " + ", ".join(f"{stage} {what(**saved[stage])} -> {what(**now[stage])}"
-                                                    for stage in now if saved[stage] != now[stage]), flush=True)
+            print(
+                "resume: resharding "
+                + ", ".join(
+                    f"{stage} {what(**saved[stage])} -> {what(**now[stage])}"
+                    for stage in now
+                    if saved[stage] != now[stage]
+                ),
+                flush=True,
+            )
         state = json.loads((ckpt / "trainer_state.json").read_text())
         if self.loaders:
             check_positions(ckpt, state["loaders"], self.train_files)
@@ -401,8 +442,10 @@ class Trainer:
         # Reading is like a checkpoint write (its time grows with the model): the same deadline, so a rank that
         # stops mid-read is named rather than waited on forever.
         self.clock.start(scale=SAVE_DEADLINE)
-        self._get([a.load_state.remote(str(ckpt), saved[stage]) for stage, pool in self.pools() for a in pool.actors],
-                  f"restore from {ckpt}")
+        self._get(
+            [a.load_state.remote(str(ckpt), saved[stage]) for stage, pool in self.pools() for a in pool.actors],
+            f"restore from {ckpt}",
+        )
         self.clock.stop()
         self.step = state["step"]
         return self.step
@@ -429,4 +472,3 @@ class Trainer:
         self.ledger.clear()
         if self.placement is not None:
             self.placement.remove()
-

@@ -48,8 +48,10 @@ class VisionWorker(StageWorker):
     def forward(self, mb_id: int, inputs: dict[str, torch.Tensor] | None) -> WireTensor | torch.Tensor:
         """inputs None: a padding micro-batch of a lockstep (ZeRO-3) replica."""
         measuring = self._measured is not None and inputs is not None  # measure_activations: the encoder call
-        with SavedBytes(self.model) if measuring else contextlib.nullcontext() as saved, \
-                torch.set_grad_enabled(self.trains):  # a frozen encoder keeps no graph
+        with (
+            SavedBytes(self.model) if measuring else contextlib.nullcontext() as saved,
+            torch.set_grad_enabled(self.trains),
+        ):  # a frozen encoder keeps no graph
             embeds = self._encode(inputs)
         if measuring:
             patches = int(inputs["image_grid_thw"].prod(-1).sum())  # the replica's, also under SP
@@ -69,8 +71,11 @@ class VisionWorker(StageWorker):
             # Even an empty SP shard runs its backward: its graph holds the all-to-alls the other ranks
             # of the replica are about to join (docs/design.md, invariant 2).
             with self.moving():
-                grad = (torch.zeros_like(embeds) if grad is None
-                        else self.transport.receive(grad, embeds.device).to(embeds.dtype))
+                grad = (
+                    torch.zeros_like(embeds)
+                    if grad is None
+                    else self.transport.receive(grad, embeds.device).to(embeds.dtype)
+                )
             embeds.backward(grad)
         return mb_id
 

@@ -78,7 +78,7 @@ class StepClock:
         if self.work is None or not self.steps:
             return 1.0
         ordered = sorted(self.steps, key=lambda s: s[0])
-        middle = [w for _, w in ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1] if w is not None]
+        middle = [w for _, w in ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1] if w is not None]
         if not middle:
             return 1.0
         typical = [sum(parts) / len(middle) for parts in zip(*middle)]
@@ -120,8 +120,14 @@ class StepClock:
         self.warm, self.started, self.work = False, None, None
 
 
-def wait_or_hang(refs: list[ray.ObjectRef], clock: StepClock, what: str, pools: list[tuple[str, Any]],
-                 where: dict[str, list[dict]], ledger: CallLedger) -> list[Any]:
+def wait_or_hang(
+    refs: list[ray.ObjectRef],
+    clock: StepClock,
+    what: str,
+    pools: list[tuple[str, Any]],
+    where: dict[str, list[dict]],
+    ledger: CallLedger,
+) -> list[Any]:
     """`ray.get(refs)`; past the clock's deadline, the ranks are looked at (`look`) until the refs are done
     (ranks that move) or one stands still for the window (`StepHung`, naming who)."""
     if refs:
@@ -204,8 +210,14 @@ def judge(answers: list[tuple[str, int, dict]], window_s: float, waited_s: float
     return verdict
 
 
-def look(clock: StepClock, what: str, pools: list[tuple[str, Any]], where: dict[str, list[dict]],
-         ledger: CallLedger, waited_s: float) -> float:
+def look(
+    clock: StepClock,
+    what: str,
+    pools: list[tuple[str, Any]],
+    where: dict[str, list[dict]],
+    ledger: CallLedger,
+    waited_s: float,
+) -> float:
     """Heartbeat every stage actor: those that do not answer within HEARTBEAT_S hang; else `judge` says from
     their progress (`waited_s`: how long the driver has waited for the results). Raises `StepHung`, or returns
     the seconds to wait before looking again."""
@@ -218,26 +230,39 @@ def look(clock: StepClock, what: str, pools: list[tuple[str, Any]], where: dict[
         w = where[stage][rank]
         return f"{stage} rank {rank} (pid {w['pid']}, node {w['node_id'][:8]})"
 
-    silent = [(stage, rank, in_call.get((stage, rank), "no call"), a)
-              for (stage, rank, _), a in zip(ranks, answers) if a in (MISSING, GONE)]
+    silent = [
+        (stage, rank, in_call.get((stage, rank), "no call"), a)
+        for (stage, rank, _), a in zip(ranks, answers)
+        if a in (MISSING, GONE)
+    ]
     if silent:
         head = f"{what} did not finish within training.step_timeout_s={clock.timeout_s():g} s"
-        who = "; ".join(f"{node(stage, rank)} {'died' if a == GONE else 'stopped answering'} in {method}"
-                        for stage, rank, method, a in silent)
+        who = "; ".join(
+            f"{node(stage, rank)} {'died' if a == GONE else 'stopped answering'} in {method}"
+            for stage, rank, method, a in silent
+        )
         raise StepHung(f"{head}: {who}", [(stage, rank, method) for stage, rank, method, _ in silent])
     alive = [(stage, rank, a if isinstance(a, dict) else {}) for (stage, rank, _), a in zip(ranks, answers)]
     window = clock.window_s()
     verdict = judge(alive, window, waited_s)
     if not verdict.hung and not verdict.idle_stall:
         return verdict.wait_s
-    knob = f"training.step_timeout_s={clock.configured_s:g} s" if clock.configured_s > 0 else (
-        f"training.step_timeout_s=0: auto, {FACTOR:g} x the median step x this batch's work "
-        f"{clock.work_ratio():.3g} x the median's, at least training.step_timeout_min_s={clock.min_s:g} s")
+    knob = (
+        f"training.step_timeout_s={clock.configured_s:g} s"
+        if clock.configured_s > 0
+        else (
+            f"training.step_timeout_s=0: auto, {FACTOR:g} x the median step x this batch's work "
+            f"{clock.work_ratio():.3g} x the median's, at least training.step_timeout_min_s={clock.min_s:g} s"
+        )
+    )
     head = f"{what} made no progress for {window:.3g} s ({knob})"
     if verdict.idle_stall:
         calls = ", ".join(f"{s} rank {r} in {m}" for (s, r), m in sorted(in_call.items())) or "none"
-        raise StepHung(f"{head}; no rank is in a call and none moved (the step waits on something outside "
-                       f"them); unfinished calls: {calls}", [(s, r, m) for (s, r), m in sorted(in_call.items())])
+        raise StepHung(
+            f"{head}; no rank is in a call and none moved (the step waits on something outside "
+            f"them); unfinished calls: {calls}",
+            [(s, r, m) for (s, r), m in sorted(in_call.items())],
+        )
 
     def stands(a: dict) -> str:
         place = ", ".join(p for p in (a.get("where"), f"at {a['at']}" if a.get("at") else "") if p)
@@ -286,7 +311,9 @@ def skipping(stream: int, position: dict[str, Any]) -> str:
     read, skipped, example = position["read"], position["skipped"], position["example"]
     reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
     last = f"; the last: {example['source']}: {example['error']} ({example['detail']})" if example else ""
-    return (f"data stream {stream} is late: {sum(skipped.values())} of the {read} records it read for this batch "
-            f"were skipped ({reasons}){last}. It keeps reading; every skipped record is in RUN_DIR/quarantine.jsonl "
-            f"once a batch arrives. If every record is skipped, check data.image_root, data.webdataset.caption and "
-            f"data.max_seq_len against the last one")
+    return (
+        f"data stream {stream} is late: {sum(skipped.values())} of the {read} records it read for this batch "
+        f"were skipped ({reasons}){last}. It keeps reading; every skipped record is in RUN_DIR/quarantine.jsonl "
+        f"once a batch arrives. If every record is skipped, check data.image_root, data.webdataset.caption and "
+        f"data.max_seq_len against the last one"
+    )

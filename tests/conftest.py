@@ -210,8 +210,10 @@ def pytest_runtest_makereport(item, call):
         return
     logs = Path(node.get_logs_dir_path())
     started = getattr(item, "_dhp_started", call.start)
-    recent = sorted((p for p in logs.glob("*.err") if p.stat().st_size and p.stat().st_mtime >= started),
-                    key=lambda p: p.stat().st_mtime)[-4:]
+    recent = sorted(
+        (p for p in logs.glob("*.err") if p.stat().st_size and p.stat().st_mtime >= started),
+        key=lambda p: p.stat().st_mtime,
+    )[-4:]
     parts = [f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in recent]
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():

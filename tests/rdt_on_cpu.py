@@ -71,14 +71,22 @@ class BytesTransport(TensorTransportManager):
 
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[torch.Tensor]) -> BytesMetadata:
         _log(f"send {[tuple(t.shape) for t in rdt_object]}")
-        return BytesMetadata(tensor_meta=[(t.shape, t.dtype) for t in rdt_object], tensor_device="cpu",
-                             values=[t.detach().clone() for t in rdt_object])
+        return BytesMetadata(
+            tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
+            tensor_device="cpu",
+            values=[t.detach().clone() for t in rdt_object],
+        )
 
     def get_communicator_metadata(self, src_actor: Any, dst_actor: Any, backend: str | None = None):
         return CommunicatorMetadata()
 
-    def recv_multiple_tensors(self, obj_id: str, tensor_transport_metadata: BytesMetadata,
-                              communicator_metadata: Any, target_buffers: Any = None) -> list[torch.Tensor]:
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: BytesMetadata,
+        communicator_metadata: Any,
+        target_buffers: Any = None,
+    ) -> list[torch.Tensor]:
         _log("receive")
         return list(tensor_transport_metadata.values)
 
@@ -112,18 +120,32 @@ def main(ckpt: str, samples_path: str, out_path: str) -> None:
     from tests.test_parity import BASE, _microbatch, collect
 
     install()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # its own, not the session's
-             runtime_env={"worker_process_setup_hook": "tests.rdt_on_cpu.install"})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,  # its own, not the session's
+        runtime_env={"worker_process_setup_hook": "tests.rdt_on_cpu.install"},
+    )
     samples = torch.load(samples_path, weights_only=False)
     longest = max(s["input_ids"].shape[0] for s in samples)
     out: dict[str, dict[str, Any]] = {}
     try:
         for name, (overrides, groups) in LAYOUTS.items():
             for boundary in ("host", "cuda_ipc"):
-                cfg = load_config("tiny", BASE + overrides + [
-                    f"model.path={ckpt}", f"data.microbatch_tokens={longest}", f"data.max_seq_len={longest}",
-                    "vision.num_cpus_per_actor=0.25", "text.num_cpus_per_actor=0.25", f"pipeline.boundary={boundary}",
-                ])
+                cfg = load_config(
+                    "tiny",
+                    BASE
+                    + overrides
+                    + [
+                        f"model.path={ckpt}",
+                        f"data.microbatch_tokens={longest}",
+                        f"data.max_seq_len={longest}",
+                        "vision.num_cpus_per_actor=0.25",
+                        "text.num_cpus_per_actor=0.25",
+                        f"pipeline.boundary={boundary}",
+                    ],
+                )
                 trainer = Trainer(cfg)
                 try:
                     batches = [GlobalBatch([_microbatch([samples[i] for i in g], cfg) for g in groups], epoch=0)]

@@ -15,10 +15,19 @@ from dhp.stages.config import load_config
 from dhp.stages.driver import train
 from tests.conftest import write_image
 
-GOOD, BAD_EXPECTED = 48, {
-    "missing_image": 1, "corrupt_image": 3, "degenerate_image": 1, "malformed_json": 1,
-    "missing_conversations": 2, "image_count_mismatch": 2, "wrong_field_type": 1, "too_long": 1,
-}
+GOOD, BAD_EXPECTED = (
+    48,
+    {
+        "missing_image": 1,
+        "corrupt_image": 3,
+        "degenerate_image": 1,
+        "malformed_json": 1,
+        "missing_conversations": 2,
+        "image_count_mismatch": 2,
+        "wrong_field_type": 1,
+        "too_long": 1,
+    },
+)
 
 
 def _conv(question: str, answer: str) -> list[dict]:
@@ -62,11 +71,20 @@ def _write_set(root) -> list[str]:
 
 def test_bad_records_are_skipped_counted_and_quarantined(ray_session, tmp_path):
     lines = _write_set(tmp_path / "data")
-    cfg = load_config("tiny", [
-        f"data.train={tmp_path}/data/train.jsonl", "data.max_seq_len=1024", "training.global_batch_size=6",
-        f"training.steps={GOOD // 6}", "training.eval_every=0", "data.shuffle_seed=null",
-        f"output.dir={tmp_path}/runs", "output.name=bad", "output.save_final_checkpoint=false",
-    ])
+    cfg = load_config(
+        "tiny",
+        [
+            f"data.train={tmp_path}/data/train.jsonl",
+            "data.max_seq_len=1024",
+            "training.global_batch_size=6",
+            f"training.steps={GOOD // 6}",
+            "training.eval_every=0",
+            "data.shuffle_seed=null",
+            f"output.dir={tmp_path}/runs",
+            "output.name=bad",
+            "output.save_final_checkpoint=false",
+        ],
+    )
     summary = train(cfg)
     run = tmp_path / "runs" / "bad"
 

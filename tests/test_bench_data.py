@@ -13,8 +13,13 @@ def test_bench_data_quick_writes_its_row(ray_session, tmp_path, capsys):
     out = tmp_path / "data.json"
     assert main(["bench", "data", "--quick", "--json", str(out)]) == 0
     [row] = json.loads(out.read_text())
-    for key in ("ray_data_samples_per_s", "baseline_samples_per_s", "ray_data_s3_samples_per_s",
-                "ray_data_vision_tokens_per_s", "baseline_vision_tokens_per_s"):
+    for key in (
+        "ray_data_samples_per_s",
+        "baseline_samples_per_s",
+        "ray_data_s3_samples_per_s",
+        "ray_data_vision_tokens_per_s",
+        "baseline_vision_tokens_per_s",
+    ):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert 0.0 <= row["data_wait_fraction"] < 1.0 and row["train_steps_measured"] == 3
     small, big = row["memory"]

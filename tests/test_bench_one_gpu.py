@@ -14,8 +14,17 @@ from dhp.scripts.bench.one_gpu import main, profile_summary
 
 def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_path, capsys):
     path = tmp_path / "one_gpu.json"
-    args = argparse.Namespace(json=str(path), quick=True, model=None, sides=None, steps=None, microbatches=2,
-                              precision=None, profile=1, boundaries=("host", "cuda_ipc"))
+    args = argparse.Namespace(
+        json=str(path),
+        quick=True,
+        model=None,
+        sides=None,
+        steps=None,
+        microbatches=2,
+        precision=None,
+        profile=1,
+        boundaries=("host", "cuda_ipc"),
+    )
     assert main(args) == 0
     result = json.loads(path.read_text())
     assert result["complete"] and "failed" not in result
@@ -97,14 +106,28 @@ def test_a_side_that_fails_is_recorded_and_the_sides_before_it_kept(ray_session,
 
     monkeypatch.setattr(bench_one_gpu, "run_dhp", out_of_memory_at_the_second)
     path = tmp_path / "one_gpu.json"
-    args = argparse.Namespace(json=str(path), quick=True, model=None, sides="140,112", steps=1, microbatches=2,
-                              precision=None, profile=0, boundaries=("host",))
+    args = argparse.Namespace(
+        json=str(path),
+        quick=True,
+        model=None,
+        sides="140,112",
+        steps=1,
+        microbatches=2,
+        precision=None,
+        profile=0,
+        boundaries=("host",),
+    )
     assert main(args) == 1
     result = json.loads(path.read_text())
     assert not result["complete"] and [(r["side"], r["system"]) for r in result["rows"]] == [
-        (112, "dhp"), (112, "one process")]  # smallest first
-    assert result["failed"] == {"side": 140, "patches": 100,
-                                "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"}
+        (112, "dhp"),
+        (112, "one process"),
+    ]  # smallest first
+    assert result["failed"] == {
+        "side": 140,
+        "patches": 100,
+        "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB",
+    }
     assert "failed at 100 patches: OutOfMemoryError" in capsys.readouterr().out
 
 
@@ -125,27 +148,41 @@ def _event(name: str, device: bool, start_us: float, end_us: float, annotation: 
     """What profile_summary reads of a `prof.events()` entry (torch's FunctionEvent)."""
     from torch.autograd import DeviceType
 
-    return SimpleNamespace(name=name, device_type=DeviceType.CUDA if device else DeviceType.CPU, is_async=False,
-                           time_range=SimpleNamespace(start=start_us, end=end_us), is_user_annotation=annotation)
+    return SimpleNamespace(
+        name=name,
+        device_type=DeviceType.CUDA if device else DeviceType.CPU,
+        is_async=False,
+        time_range=SimpleNamespace(start=start_us, end=end_us),
+        is_user_annotation=annotation,
+    )
 
 
 def test_profile_summary_counts_the_chip_busy_once_and_skips_markers():
     """Two overlapping kernels on two streams count once; a CUPTI marker ("Command Buffer Full", 14 s of 3.5 on an
     H200 under key_averages), a stream sync, the step's range on the device and host ops are not
     device work; the device's idle gaps between its work are counted."""
-    events = [_event("gemm", True, 0, 4), _event("attn", True, 2, 6), _event("gemm", True, 10, 12),
-              _event("Memcpy HtoD (Pageable -> Device)", True, 12, 13),
-              _event("Command Buffer Full", True, 0, 50), _event("Stream Sync", True, 6, 10),
-              _event("ProfilerStep#3", True, 0, 20, annotation=True),
-              _event("aten::mm", False, 0, 3), _event("aten::mm", False, 5, 6), _event("aten::add", False, 0, 9),
-              _event("ProfilerStep#3", False, 0, 20)]
+    events = [
+        _event("gemm", True, 0, 4),
+        _event("attn", True, 2, 6),
+        _event("gemm", True, 10, 12),
+        _event("Memcpy HtoD (Pageable -> Device)", True, 12, 13),
+        _event("Command Buffer Full", True, 0, 50),
+        _event("Stream Sync", True, 6, 10),
+        _event("ProfilerStep#3", True, 0, 20, annotation=True),
+        _event("aten::mm", False, 0, 3),
+        _event("aten::mm", False, 5, 6),
+        _event("aten::add", False, 0, 9),
+        _event("ProfilerStep#3", False, 0, 20),
+    ]
     s = profile_summary(events, wall_s=20e-6)
     assert s["device_busy_s"] == pytest.approx(9e-6) and s["device_busy_share"] == pytest.approx(0.45)
     assert s["device_gaps"] == {"count": 1, "total_s": pytest.approx(4e-6), "longest_s": [pytest.approx(4e-6)]}
     assert s["top_device"][0] == {"op": "gemm", "calls": 2, "device_s": pytest.approx(6e-6)}
     assert [o["op"] for o in s["top_device"]] == ["gemm", "attn", "Memcpy HtoD (Pageable -> Device)"]
-    assert s["top_host"] == [{"op": "aten::mm", "calls": 2, "host_s": pytest.approx(4e-6)},
-                             {"op": "aten::add", "calls": 1, "host_s": pytest.approx(9e-6)}]
+    assert s["top_host"] == [
+        {"op": "aten::mm", "calls": 2, "host_s": pytest.approx(4e-6)},
+        {"op": "aten::add", "calls": 1, "host_s": pytest.approx(9e-6)},
+    ]
     assert list(s["skipped_device_s"]) == ["Command Buffer Full", "ProfilerStep#3", "Stream Sync"]
 
 

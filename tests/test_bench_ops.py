@@ -10,10 +10,23 @@ import pytest
 
 from dhp.scripts.bench.ops import CPU_MATMUL_SIZES, FIELDS, main
 
-RATES = ("matmul_tflops", "attention_tflops", "window_attention_tflops", "causal_attention_tflops",
-         "attention_backward_ratio", "optimizer_s_per_param", "op_latency_s", "memory_gbps",
-         "all_reduce_gbps", "all_gather_gbps", "all_to_all_gbps", "collective_latency_s", "h2d_gbps",
-         "object_store_gbps", "call_latency_s")
+RATES = (
+    "matmul_tflops",
+    "attention_tflops",
+    "window_attention_tflops",
+    "causal_attention_tflops",
+    "attention_backward_ratio",
+    "optimizer_s_per_param",
+    "op_latency_s",
+    "memory_gbps",
+    "all_reduce_gbps",
+    "all_gather_gbps",
+    "all_to_all_gbps",
+    "collective_latency_s",
+    "h2d_gbps",
+    "object_store_gbps",
+    "call_latency_s",
+)
 
 
 @pytest.fixture(scope="module")

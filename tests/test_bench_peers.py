@@ -29,8 +29,12 @@ def test_largest_fitting_climbs_then_bisects():
 
 def test_quick_bench_runs_every_system_under_its_cap(ray_session, tmp_path):
     partial = []  # what a time-limited run keeps: the JSON after each system
-    result = run(quick=True, on_system=lambda r: partial.append(([s["name"] for s in r["systems"]], r["complete"],
-                                                                 r["goals"]["sp_tp_not_slower_than_uniform_tp"])))
+    result = run(
+        quick=True,
+        on_system=lambda r: partial.append(
+            ([s["name"] for s in r["systems"]], r["complete"], r["goals"]["sp_tp_not_slower_than_uniform_tp"])
+        ),
+    )
     names = [r["name"] for r in result["systems"]]
     assert names == list(systems(result["ranks"]))
     assert [p[0] for p in partial] == [names[:i] for i in range(1, len(names) + 1)]
@@ -44,8 +48,10 @@ def test_quick_bench_runs_every_system_under_its_cap(ray_session, tmp_path):
     rows = {r["name"]: r for r in result["systems"]}
     assert rows["deepspeed zero3"]["probes"] and rows["deepspeed zero3"]["jit_built"] is not None
     assert rows["dhp sequence / tensor, pipelined"]["probes"] == []  # timed only, as documented
-    assert (rows["deepspeed zero3"]["peak_activation_bytes"]
-            > 2 * rows["dhp sequence / tensor, serial"]["peak_activation_bytes"])
+    assert (
+        rows["deepspeed zero3"]["peak_activation_bytes"]
+        > 2 * rows["dhp sequence / tensor, serial"]["peak_activation_bytes"]
+    )
     assert "DeepSpeed" in table(result)
     plot(result, tmp_path / "peers.png")
     assert (tmp_path / "peers.png").stat().st_size > 0

@@ -18,8 +18,17 @@ from dhp.stages.cli import main as cli_main
 SCENARIOS = ["balanced", "vision_heavy", "text_heavy"]
 REQUIRED = {"scenario", "vision_s", "text_s", "serial_step_s", "pipelined_step_s", "driver_overhead_ms"}
 POSITIVE = REQUIRED - {"scenario"} | {
-    "predicted_step_s", "predicted_serial_step_s", "ratio_to_max", "serial_ratio", "speedup", "tv_over_tt",
-    "vision_ms_per_mb", "text_ms_per_mb", "serial_vision_s", "serial_text_s", "pipelined_vision_s",
+    "predicted_step_s",
+    "predicted_serial_step_s",
+    "ratio_to_max",
+    "serial_ratio",
+    "speedup",
+    "tv_over_tt",
+    "vision_ms_per_mb",
+    "text_ms_per_mb",
+    "serial_vision_s",
+    "serial_text_s",
+    "pipelined_vision_s",
     "pipelined_text_s",
 }
 FRACTIONS = {f"{mode}_{k}" for mode in ("serial", "pipelined") for k in ("vision_busy", "text_busy", "bubble")}

@@ -28,7 +28,8 @@ def test_plan_predicts_every_measured_step_within_tolerance(ray_session):
         assert r["checked"] and r["measured_s"] > 0 and r["predicted_s"] > 0
         assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
         assert {"vision.forward", "vision.backward", "text.forward_backward", "text.optimizer_step"} <= set(
-            r["measured_calls_s"])
+            r["measured_calls_s"]
+        )
     rows = {r["config"]: r for r in result["rows"]}
     # one actor per pool: the plan overlaps them, and so does the trainer
     assert rows["none / none, pipelined"]["predicted_s"] < rows["none / none, serial"]["predicted_s"]
@@ -36,8 +37,9 @@ def test_plan_predicts_every_measured_step_within_tolerance(ray_session):
     if off:  # another process may have taken a core for a while: profile and those configurations once more
         again = run(None, quick=True, steps=3, configs={k: CONFIGS[k] for k in off})
         off = [r["config"] for r in again["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
-        assert not off, (f"predicted / measured outside 1 +- {TOLERANCE} twice: {off}\n{table(result)}\n"
-                         f"again:\n{table(again)}")
+        assert not off, (
+            f"predicted / measured outside 1 +- {TOLERANCE} twice: {off}\n{table(result)}\nagain:\n{table(again)}"
+        )
     assert set(OVERSUBSCRIBED).isdisjoint(CONFIGS)
 
 
@@ -56,7 +58,8 @@ def test_collective_curve_is_read_between_and_beyond_its_points():
     gpu = datasheet("h100-sxm")  # no curve: latency + bytes / bandwidth
     nbytes = 2**26
     assert gpu.collective_s("all_reduce", nbytes, 8) == pytest.approx(
-        gpu.collective_latency_s + 2 * 7 / 8 * nbytes / gpu.comm_rate("all_reduce"))
+        gpu.collective_latency_s + 2 * 7 / 8 * nbytes / gpu.comm_rate("all_reduce")
+    )
 
 
 def test_attention_rate_follows_the_head_dim_curve_and_the_causal_rate():

@@ -50,8 +50,12 @@ def test_bench_boundary_quick_writes_both_formats(ray_session, tmp_path, capsys)
     assert main(argparse.Namespace(quick=True, json=str(path), reps=3)) == 0
     result = json.loads(path.read_text())
     assert result["timings"].startswith("CPU timings")
-    assert [(r["rows"], r["format"]) for r in result["rows"]] == [(16, "tensor"), (16, "wire"), (64, "tensor"),
-                                                                   (64, "wire")]
+    assert [(r["rows"], r["format"]) for r in result["rows"]] == [
+        (16, "tensor"),
+        (16, "wire"),
+        (64, "tensor"),
+        (64, "wire"),
+    ]
     for r in result["rows"]:
         assert r["bytes_per_microbatch"] == 2 * r["rows"] * 64 * 2 and r["boundary_s"] > 0 and r["chain_s"] > 0
         assert r["gb_per_s"] == r["bytes_per_microbatch"] / r["boundary_s"] / 1e9
@@ -81,16 +85,27 @@ def test_cuda_ipc_needs_both_pools_on_one_gpu():
     from dhp.models.parallel.checks import check_layout
     from dhp.stages.config import ConfigError, load_config
 
-    one_gpu = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1", "vision.num_gpus_per_actor=0.5",
-               "text.parallelism=none", "text.num_actors=1", "text.degree=1", "text.num_gpus_per_actor=0.5",
-               "training.global_batch_size=2", "pipeline.boundary=cuda_ipc"]
+    one_gpu = [
+        "vision.parallelism=none",
+        "vision.num_actors=1",
+        "vision.degree=1",
+        "vision.num_gpus_per_actor=0.5",
+        "text.parallelism=none",
+        "text.num_actors=1",
+        "text.degree=1",
+        "text.num_gpus_per_actor=0.5",
+        "training.global_batch_size=2",
+        "pipeline.boundary=cuda_ipc",
+    ]
     cfg = load_config("tiny", one_gpu)
     assert cfg.pipeline.transport.ray_transport == "CUDA_IPC"
     check_layout(cfg)
-    for refused in (["pipeline.boundary=cuda_ipc"],  # the CPU default: 2 + 2 actors, no GPUs
-                    [*one_gpu, "pipeline.placement=disjoint"],
-                    [*one_gpu, "vision.num_actors=2"],  # two vision replicas: the second on another bundle's GPU
-                    [*one_gpu, "text.num_gpus_per_actor=0.6"]):  # 1.1 GPUs: not one device
+    for refused in (
+        ["pipeline.boundary=cuda_ipc"],  # the CPU default: 2 + 2 actors, no GPUs
+        [*one_gpu, "pipeline.placement=disjoint"],
+        [*one_gpu, "vision.num_actors=2"],  # two vision replicas: the second on another bundle's GPU
+        [*one_gpu, "text.num_gpus_per_actor=0.6"],
+    ):  # 1.1 GPUs: not one device
         with pytest.raises(ConfigError, match=r"pipeline.boundary=cuda_ipc maps GPU memory .* pipeline.boundary=host"):
             check_layout(load_config("tiny", refused))
     with pytest.raises(Exception, match="pipeline.boundary"):
@@ -115,10 +130,19 @@ def test_the_ray_direct_transport_path_trains_as_the_host_path(parity_setup, tmp
     torch.save(samples, tmp_path / "samples.pt")
     root = Path(__file__).resolve().parent.parent
     log = tmp_path / "rdt.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-           "DHP_TEST_RDT_LOG": str(log)}
-    proc = subprocess.run([sys.executable, "-m", "tests.rdt_on_cpu", str(ckpt), str(tmp_path / "samples.pt"),
-                           str(tmp_path / "out.pt")], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "DHP_TEST_RDT_LOG": str(log),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.rdt_on_cpu", str(ckpt), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     for name in LAYOUTS:

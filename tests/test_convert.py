@@ -40,7 +40,7 @@ COCO = {
     "annotations": [
         {"id": 10, "image_id": 1, "caption": "A red square. "},
         {"id": 11, "image_id": 1, "caption": "Second caption of a."},
-        {"id": 12, "image_id": 2, "caption": "Blue noise, café \"quoted\"."},
+        {"id": 12, "image_id": 2, "caption": 'Blue noise, café "quoted".'},
         {"id": 13, "image_id": 3, "caption": "In a subfolder.\n"},
         {"id": 14, "image_id": 4, "caption": "Missing file."},  # missing_image
         {"id": 15, "image_id": 99, "caption": "Nobody."},  # unknown_image_id
@@ -55,8 +55,15 @@ COCO = {
     ],
 }
 COCO_SKIPS = {
-    "bad_image_entry": 1, "duplicate_image_id": 1, "empty_caption": 1, "missing_caption": 1, "missing_image": 1,
-    "missing_image_id": 1, "special_token_in_caption": 2, "unknown_image_id": 1, "wrong_field_type": 3,
+    "bad_image_entry": 1,
+    "duplicate_image_id": 1,
+    "empty_caption": 1,
+    "missing_caption": 1,
+    "missing_image": 1,
+    "missing_image_id": 1,
+    "special_token_in_caption": 2,
+    "unknown_image_id": 1,
+    "wrong_field_type": 3,
 }
 
 
@@ -65,7 +72,9 @@ def rec(image: str, caption: str, prompt: str = PROMPT) -> dict:
 
 
 COCO_FIRST = [
-    rec("a.png", "A red square."), rec("b.png", 'Blue noise, café "quoted".'), rec("sub/c.png", "In a subfolder.")
+    rec("a.png", "A red square."),
+    rec("b.png", 'Blue noise, café "quoted".'),
+    rec("sub/c.png", "In a subfolder."),
 ]
 
 
@@ -102,8 +111,16 @@ def coco(tmp_path_factory) -> Path:
 
 def test_coco_records_and_counts(coco, tmp_path, capsys):
     out = tmp_path / "deep/out.jsonl"
-    rc, stdout, stderr = run(capsys, "convert-coco", "--captions", str(coco / "captions.json"),
-                             "--images", str(coco / "images"), "--out", str(out))
+    rc, stdout, stderr = run(
+        capsys,
+        "convert-coco",
+        "--captions",
+        str(coco / "captions.json"),
+        "--images",
+        str(coco / "images"),
+        "--out",
+        str(out),
+    )
     assert rc == 0, stderr
     assert read_jsonl(out) == COCO_FIRST
     assert summary(stdout) == (3, COCO_SKIPS)
@@ -117,19 +134,44 @@ def test_coco_all_captions_prompt_and_order(coco, tmp_path, capsys):
     reordered = {"annotations": COCO["annotations"], "images": COCO["images"]}
     (tmp_path / "rev.json").write_text(json.dumps(reordered, indent=2), encoding="utf-8")
     out = tmp_path / "all.jsonl"
-    rc, stdout, _ = run(capsys, "convert-coco", "--captions", str(tmp_path / "rev.json"), "--images",
-                        str(coco / "images"), "--out", str(out), "--all-captions", "--prompt", "What is this? <image>")
+    rc, stdout, _ = run(
+        capsys,
+        "convert-coco",
+        "--captions",
+        str(tmp_path / "rev.json"),
+        "--images",
+        str(coco / "images"),
+        "--out",
+        str(out),
+        "--all-captions",
+        "--prompt",
+        "What is this? <image>",
+    )
     assert rc == 0
     p = "What is this? <image>"
-    assert read_jsonl(out) == [rec("a.png", "A red square.", p), rec("a.png", "Second caption of a.", p),
-                               *[rec(r["image"], r["conversations"][1]["value"], p) for r in COCO_FIRST[1:]]]
+    assert read_jsonl(out) == [
+        rec("a.png", "A red square.", p),
+        rec("a.png", "Second caption of a.", p),
+        *[rec(r["image"], r["conversations"][1]["value"], p) for r in COCO_FIRST[1:]],
+    ]
     assert summary(stdout) == (4, COCO_SKIPS)
 
 
 def test_coco_output_preprocesses(coco, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    assert run(capsys, "convert-coco", "--captions", str(coco / "captions.json"), "--images",
-               str(coco / "images"), "--out", str(out))[0] == 0
+    assert (
+        run(
+            capsys,
+            "convert-coco",
+            "--captions",
+            str(coco / "captions.json"),
+            "--images",
+            str(coco / "images"),
+            "--out",
+            str(out),
+        )[0]
+        == 0
+    )
     settings = PreprocessSettings(image_root=str(coco / "images"), min_pixels=3136, max_pixels=50176, max_seq_len=1024)
     pre = Preprocessor(settings, architecture_config("tiny"))
     for line, expected in zip(out.read_text(encoding="utf-8").splitlines(), COCO_FIRST, strict=True):
@@ -141,36 +183,58 @@ def test_coco_output_preprocesses(coco, tmp_path, capsys):
         assert reply == expected["conversations"][1]["value"] + "<|im_end|>"
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing_captions", "captions file not found"),
-    ("missing_images", "images directory not found"),
-    ("not_coco", "top level must be an object with 'images' and 'annotations'"),
-    ("no_annotations", "no 'annotations' list"),
-    ("images_not_list", "'images' must be a list"),
-    ("truncated", "not valid JSON near character"),
-    ("bad_prompt", "--prompt must hold '<image>' exactly once"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing_captions", "captions file not found"),
+        ("missing_images", "images directory not found"),
+        ("not_coco", "top level must be an object with 'images' and 'annotations'"),
+        ("no_annotations", "no 'annotations' list"),
+        ("images_not_list", "'images' must be a list"),
+        ("truncated", "not valid JSON near character"),
+        ("bad_prompt", "--prompt must hold '<image>' exactly once"),
+    ],
+)
 def test_coco_errors(coco, tmp_path, capsys, case, message):
     captions, images, extra = tmp_path / "c.json", str(coco / "images"), []
     text = json.dumps(COCO)
-    captions.write_text({"not_coco": "[1, 2]", "no_annotations": '{"images": []}', "images_not_list": '{"images": {}}',
-                         "truncated": text[: len(text) // 2]}.get(case, text))
+    captions.write_text(
+        {
+            "not_coco": "[1, 2]",
+            "no_annotations": '{"images": []}',
+            "images_not_list": '{"images": {}}',
+            "truncated": text[: len(text) // 2],
+        }.get(case, text)
+    )
     if case == "missing_captions":
         captions = tmp_path / "nope.json"
     if case == "missing_images":
         images = str(tmp_path / "no_images")
     if case == "bad_prompt":
         extra = ["--prompt", "<image> and <image>"]
-    rc, stdout, stderr = run(capsys, "convert-coco", "--captions", str(captions), "--images", images,
-                             "--out", str(tmp_path / "out/o.jsonl"), *extra)
+    rc, stdout, stderr = run(
+        capsys,
+        "convert-coco",
+        "--captions",
+        str(captions),
+        "--images",
+        images,
+        "--out",
+        str(tmp_path / "out/o.jsonl"),
+        *extra,
+    )
     assert rc == 2 and stderr.startswith("dhp: error:") and message in stderr and stderr.count("\n") == 1, stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing half-written
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 13, 64])
 def test_json_stream_matches_json_loads_at_any_chunk_size(chunk):
-    doc = {"images": [{"id": 123456789, "f": -1.25e-7}, 0, 98765, "é\\\"x", [], {}, True, None],
-           "annotations": [{"image_id": 1000000000001, "caption": "a\nb"}, 12, 3.5e-12], "z": 3.0, "w": -7}
+    doc = {
+        "images": [{"id": 123456789, "f": -1.25e-7}, 0, 98765, 'é\\"x', [], {}, True, None],
+        "annotations": [{"image_id": 1000000000001, "caption": "a\nb"}, 12, 3.5e-12],
+        "z": 3.0,
+        "w": -7,
+    }
     js = JsonStream(io.StringIO(json.dumps(doc)), "doc", chunk_chars=chunk)
     got = {"images": [], "annotations": []}
     for kind, entry in convert._coco_entries(js):
@@ -187,18 +251,54 @@ def test_existing_files_listing_and_lookup_agree(coco, list_min):
 
 
 LAION_ROWS = [
-    {"key": "000000001", "url": "https://example.com/1.jpg", "llava_caption": "A cat on a mat.",
-     "cogvlm_caption": "Cat.", "alt_txt": "cat", "similarity": 0.3},
-    {"key": "000000002", "url": "s3://bucket/2.jpg", "llava_caption": "A dog.", "cogvlm_caption": "Dog.",
-     "alt_txt": "dog", "similarity": 0.4},
-    {"key": None, "url": "https://example.com/3.jpg", "llava_caption": "No key.", "cogvlm_caption": "No key.",
-     "alt_txt": "", "similarity": 0.1},
-    {"key": "000000004", "url": None, "llava_caption": None, "cogvlm_caption": "Only cogvlm.", "alt_txt": None,
-     "similarity": 0.2},
-    {"key": "000000005", "url": "", "llava_caption": "  ", "cogvlm_caption": "<image> twice", "alt_txt": "x",
-     "similarity": 0.5},
-    {"key": "000000006", "url": "images/6.jpg", "llava_caption": "Six <|vision_start|>.", "cogvlm_caption": "Six.",
-     "alt_txt": "six", "similarity": 0.6},
+    {
+        "key": "000000001",
+        "url": "https://example.com/1.jpg",
+        "llava_caption": "A cat on a mat.",
+        "cogvlm_caption": "Cat.",
+        "alt_txt": "cat",
+        "similarity": 0.3,
+    },
+    {
+        "key": "000000002",
+        "url": "s3://bucket/2.jpg",
+        "llava_caption": "A dog.",
+        "cogvlm_caption": "Dog.",
+        "alt_txt": "dog",
+        "similarity": 0.4,
+    },
+    {
+        "key": None,
+        "url": "https://example.com/3.jpg",
+        "llava_caption": "No key.",
+        "cogvlm_caption": "No key.",
+        "alt_txt": "",
+        "similarity": 0.1,
+    },
+    {
+        "key": "000000004",
+        "url": None,
+        "llava_caption": None,
+        "cogvlm_caption": "Only cogvlm.",
+        "alt_txt": None,
+        "similarity": 0.2,
+    },
+    {
+        "key": "000000005",
+        "url": "",
+        "llava_caption": "  ",
+        "cogvlm_caption": "<image> twice",
+        "alt_txt": "x",
+        "similarity": 0.5,
+    },
+    {
+        "key": "000000006",
+        "url": "images/6.jpg",
+        "llava_caption": "Six <|vision_start|>.",
+        "cogvlm_caption": "Six.",
+        "alt_txt": "six",
+        "similarity": 0.6,
+    },
 ]
 
 
@@ -209,17 +309,31 @@ def laion(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("flags, records, skips", [
-    ([], [rec("000000001", "A cat on a mat."), rec("000000002", "A dog.")],  # auto: key + llava_caption
-     {"missing_image_field": 1, "missing_caption": 1, "empty_caption": 1, "special_token_in_caption": 1}),
-    (["--image-field", "images/{key}.jpg", "--caption-field", "cogvlm_caption"],
-     [rec("images/000000001.jpg", "Cat."), rec("images/000000002.jpg", "Dog."),
-      rec("images/000000004.jpg", "Only cogvlm."), rec("images/000000006.jpg", "Six.")],
-     {"missing_image_field": 1, "special_token_in_caption": 1}),
-    (["--image-field", "url", "--caption-field", "alt_txt", "--prompt", "<image> Caption:"],
-     [rec("s3://bucket/2.jpg", "dog", "<image> Caption:"), rec("images/6.jpg", "six", "<image> Caption:")],
-     {"unsupported_url": 2, "missing_image_field": 2}),
-])
+@pytest.mark.parametrize(
+    "flags, records, skips",
+    [
+        (
+            [],
+            [rec("000000001", "A cat on a mat."), rec("000000002", "A dog.")],  # auto: key + llava_caption
+            {"missing_image_field": 1, "missing_caption": 1, "empty_caption": 1, "special_token_in_caption": 1},
+        ),
+        (
+            ["--image-field", "images/{key}.jpg", "--caption-field", "cogvlm_caption"],
+            [
+                rec("images/000000001.jpg", "Cat."),
+                rec("images/000000002.jpg", "Dog."),
+                rec("images/000000004.jpg", "Only cogvlm."),
+                rec("images/000000006.jpg", "Six."),
+            ],
+            {"missing_image_field": 1, "special_token_in_caption": 1},
+        ),
+        (
+            ["--image-field", "url", "--caption-field", "alt_txt", "--prompt", "<image> Caption:"],
+            [rec("s3://bucket/2.jpg", "dog", "<image> Caption:"), rec("images/6.jpg", "six", "<image> Caption:")],
+            {"unsupported_url": 2, "missing_image_field": 2},
+        ),
+    ],
+)
 def test_laion_parquet(laion, tmp_path, capsys, flags, records, skips):
     out = tmp_path / "pop.jsonl"
     rc, stdout, stderr = run(capsys, "convert-laion-pop", "--in", str(laion / "pop.parquet"), "--out", str(out), *flags)
@@ -242,8 +356,9 @@ def test_laion_jsonl_and_json_array(tmp_path, capsys):
     (tmp_path / "rows.jsonl").write_bytes("\n".join(lines).encode("utf-8") + b"\n\xff\xfe not UTF-8\n")
     expected = [rec("p/1.jpg", "One."), rec("p/5.jpg", "Five, ünïcode.")]
     flags = ["--image-field", "img", "--caption-field", "txt"]
-    rc, stdout, stderr = run(capsys, "convert-laion-pop", "--in", str(tmp_path / "rows.jsonl"),
-                             "--out", str(tmp_path / "a.jsonl"), *flags)
+    rc, stdout, stderr = run(
+        capsys, "convert-laion-pop", "--in", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "a.jsonl"), *flags
+    )
     assert rc == 0, stderr
     assert read_jsonl(tmp_path / "a.jsonl") == expected
     assert summary(stdout) == (2, {"malformed_json": 2, "wrong_field_type": 3, "missing_image_field": 1})
@@ -251,8 +366,9 @@ def test_laion_jsonl_and_json_array(tmp_path, capsys):
 
     good = [json.loads(x) for x in lines if x.startswith('{"img"')]
     (tmp_path / "rows.json").write_text(json.dumps(good, ensure_ascii=False), encoding="utf-8")
-    rc, stdout, _ = run(capsys, "convert-laion-pop", "--in", str(tmp_path / "rows.json"),
-                        "--out", str(tmp_path / "b.jsonl"), *flags)
+    rc, stdout, _ = run(
+        capsys, "convert-laion-pop", "--in", str(tmp_path / "rows.json"), "--out", str(tmp_path / "b.jsonl"), *flags
+    )
     assert rc == 0 and read_jsonl(tmp_path / "b.jsonl") == expected
     assert summary(stdout) == (2, {"wrong_field_type": 2})
 
@@ -268,8 +384,18 @@ def test_laion_auto_detection_error_lists_columns(tmp_path, capsys, fmt):
     rc, _, stderr = run(capsys, "convert-laion-pop", "--in", str(src), "--out", str(tmp_path / "o.jsonl"))
     assert rc == 2
     assert "no image field column among image_path, image, file_name, path, key, url; columns: img, txt" in stderr
-    rc, _, stderr = run(capsys, "convert-laion-pop", "--in", str(src), "--out", str(tmp_path / "o.jsonl"),
-                        "--image-field", "img", "--caption-field", "caption_typo")
+    rc, _, stderr = run(
+        capsys,
+        "convert-laion-pop",
+        "--in",
+        str(src),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        "--image-field",
+        "img",
+        "--caption-field",
+        "caption_typo",
+    )
     assert rc == 2 and "no column 'caption_typo' for --caption-field; columns: img, txt" in stderr
     assert not (tmp_path / "o.jsonl").exists()
 
@@ -281,23 +407,42 @@ def test_coco_and_laion_on_s3(coco, laion, tmp_path, capsys, monkeypatch, s3_end
     s3_endpoint.upload(coco, "data", "coco")
     s3.upload_file(str(laion / "pop.parquet"), "data", "laion/pop.parquet")
 
-    rc, stdout, stderr = run(capsys, "convert-coco", "--captions", "s3://data/coco/captions.json",
-                             "--images", "s3://data/coco/images", "--out", "s3://data/out/coco.jsonl")
+    rc, stdout, stderr = run(
+        capsys,
+        "convert-coco",
+        "--captions",
+        "s3://data/coco/captions.json",
+        "--images",
+        "s3://data/coco/images",
+        "--out",
+        "s3://data/out/coco.jsonl",
+    )
     assert rc == 0, stderr
     assert summary(stdout) == (3, COCO_SKIPS)
-    rc, stdout, stderr = run(capsys, "convert-laion-pop", "--in", "s3://data/laion/pop.parquet",
-                             "--out", "s3://data/out/pop.jsonl")
+    rc, stdout, stderr = run(
+        capsys, "convert-laion-pop", "--in", "s3://data/laion/pop.parquet", "--out", "s3://data/out/pop.jsonl"
+    )
     assert rc == 0 and summary(stdout)[0] == 2, stderr
     body = {k: s3.get_object(Bucket="data", Key=f"out/{k}.jsonl")["Body"].read().decode() for k in ("coco", "pop")}
     assert [json.loads(x) for x in body["coco"].splitlines()] == COCO_FIRST
-    assert [json.loads(x) for x in body["pop"].splitlines()] == [rec("000000001", "A cat on a mat."),
-                                                                 rec("000000002", "A dog.")]
+    assert [json.loads(x) for x in body["pop"].splitlines()] == [
+        rec("000000001", "A cat on a mat."),
+        rec("000000002", "A dog."),
+    ]
     # pyarrow keeps an "out/" directory marker after deleting the temporary object; no temporary left
     keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="data", Prefix="out/")["Contents"])
     assert [k for k in keys if not k.endswith("/")] == ["out/coco.jsonl", "out/pop.jsonl"]
 
-    rc, _, stderr = run(capsys, "convert-coco", "--captions", "s3://data/coco/captions.json",
-                        "--images", "s3://data/coco/nothing", "--out", "s3://data/out/x.jsonl")
+    rc, _, stderr = run(
+        capsys,
+        "convert-coco",
+        "--captions",
+        "s3://data/coco/captions.json",
+        "--images",
+        "s3://data/coco/nothing",
+        "--out",
+        "s3://data/out/x.jsonl",
+    )
     assert rc == 2 and "images directory not found: s3://data/coco/nothing" in stderr
 
 

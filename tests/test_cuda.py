@@ -28,21 +28,35 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(("dtype", "loss_tol", "grad_cos", "boundary"), [
-    ("float32", 1e-4, 0.9999, "host"), ("bfloat16", 3e-2, 0.99, "host"),
-    # the embeddings and their gradients stay on the GPU (stages/boundary.py)
-    ("float32", 1e-4, 0.9999, "cuda_ipc"), ("bfloat16", 3e-2, 0.99, "cuda_ipc"),
-])
+@pytest.mark.parametrize(
+    ("dtype", "loss_tol", "grad_cos", "boundary"),
+    [
+        ("float32", 1e-4, 0.9999, "host"),
+        ("bfloat16", 3e-2, 0.99, "host"),
+        # the embeddings and their gradients stay on the GPU (stages/boundary.py)
+        ("float32", 1e-4, 0.9999, "cuda_ipc"),
+        ("bfloat16", 3e-2, 0.99, "cuda_ipc"),
+    ],
+)
 def test_cuda_shared_gpu_matches_cpu_reference(parity_setup, ray_session, dtype, loss_tol, grad_cos, boundary):
     ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)
     torch.backends.cuda.matmul.allow_tf32 = False
     assert ray.cluster_resources().get("GPU", 0) >= 1, "Ray did not detect the GPU torch sees"
-    cfg = load_config("tiny", BASE + [
-        f"model.path={ckpt}", f"model.dtype={dtype}", "model.attn_implementation=sdpa",
-        "vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5",
-        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5", f"pipeline.boundary={boundary}",
-    ])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + [
+            f"model.path={ckpt}",
+            f"model.dtype={dtype}",
+            "model.attn_implementation=sdpa",
+            "vision.num_gpus_per_actor=0.5",
+            "text.num_gpus_per_actor=0.5",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
+            f"pipeline.boundary={boundary}",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
         where = ray.get([a.where.remote() for a in trainer.vision.actors + trainer.text.actors])
@@ -54,9 +68,14 @@ def test_cuda_shared_gpu_matches_cpu_reference(parity_setup, ray_session, dtype,
     finally:
         trainer.shutdown()
     v, t = vision_inputs(samples), text_inputs(samples, pad_id=151643)
-    out = ref(input_ids=t["input_ids"], attention_mask=t["attention_mask"], labels=t["labels"],
-              pixel_values=v["pixel_values"], image_grid_thw=v["image_grid_thw"],
-              mm_token_type_ids=(t["input_ids"] == 151655).int())
+    out = ref(
+        input_ids=t["input_ids"],
+        attention_mask=t["attention_mask"],
+        labels=t["labels"],
+        pixel_values=v["pixel_values"],
+        image_grid_thw=v["image_grid_thw"],
+        mm_token_type_ids=(t["input_ids"] == 151655).int(),
+    )
     out.loss.backward()
     assert abs(loss - out.loss.item()) / out.loss.item() <= loss_tol
     for name, p in ref.named_parameters():
@@ -73,13 +92,29 @@ def test_dhp_train_on_one_gpu_learns(tmp_path):
     import subprocess
     import sys
 
-    one_gpu = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1", "vision.num_gpus_per_actor=0.5",
-               "text.parallelism=none", "text.num_actors=1", "text.degree=1", "text.num_gpus_per_actor=0.5",
-               "model.dtype=bfloat16", "model.attn_implementation=sdpa"]
-    cmd = [sys.executable, "-m", "dhp.stages.cli", "train", *one_gpu, f"output.dir={tmp_path}/runs",
-           "output.name=cuda", f"data.synthetic.dir={tmp_path}/synth"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                          timeout=900)
+    one_gpu = [
+        "vision.parallelism=none",
+        "vision.num_actors=1",
+        "vision.degree=1",
+        "vision.num_gpus_per_actor=0.5",
+        "text.parallelism=none",
+        "text.num_actors=1",
+        "text.degree=1",
+        "text.num_gpus_per_actor=0.5",
+        "model.dtype=bfloat16",
+        "model.attn_implementation=sdpa",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.stages.cli",
+        "train",
+        *one_gpu,
+        f"output.dir={tmp_path}/runs",
+        "output.name=cuda",
+        f"data.synthetic.dir={tmp_path}/synth",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("device cuda") == 2, proc.stdout[:2000]  # both pools' ranks on the GPU
     records = [json.loads(line) for line in (tmp_path / "runs" / "cuda" / "metrics.jsonl").read_text().splitlines()]

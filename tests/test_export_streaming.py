@@ -26,15 +26,23 @@ def _write_rank_files(ckpt, stage, layout, full, dtype):
     shapes = {n: t.shape for n, t in full.items()}
     for rank in layout.state_ranks(0):
         slicer = layout.slicer(rank, shapes)
-        local = {n: (t if slicer is None or slicer(n) is None else read_part(t, slicer(n))).to(dtype).contiguous()
-                 for n, t in full.items()}
+        local = {
+            n: (t if slicer is None or slicer(n) is None else read_part(t, slicer(n))).to(dtype).contiguous()
+            for n, t in full.items()
+        }
         save_file(local, str(ckpt / f"{stage}-rank{rank:05d}.safetensors"))
 
 
 @pytest.mark.parametrize(("stage", "name", "degree", "num_actors"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_of_every_layout_is_the_full_state_in_bounded_shards(
-    full_states, tmp_path, stage, name, degree, num_actors, dtype  # noqa: F811
+    full_states,  # noqa: F811  (the fixture imported above)
+    tmp_path,
+    stage,
+    name,
+    degree,
+    num_actors,
+    dtype,  # noqa: F811
 ):
     config, states = full_states
     full = states[stage]
@@ -115,8 +123,10 @@ def _export_peak(tmp: str) -> None:
     config = architecture_config("tiny")
     h = config.text_config.hidden_size
     config.text_config.vocab_size, config.text_config.intermediate_size = 400_000, 393_216
-    full = {"language_model.embed_tokens.weight": torch.randn(400_000, h),
-            "language_model.layers.0.mlp.down_proj.weight": torch.randn(h, 393_216)}
+    full = {
+        "language_model.embed_tokens.weight": torch.randn(400_000, h),
+        "language_model.layers.0.mlp.down_proj.weight": torch.randn(h, 393_216),
+    }
     ckpt = Path(tmp) / "ckpt"
     ckpt.mkdir()
     _write_rank_files(ckpt, "text", make_layout("text", "tensor", 4, 4, config), full, torch.float32)

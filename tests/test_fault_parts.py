@@ -81,15 +81,13 @@ def test_placement_modes_say_what_to_reserve():
 def test_custom_resources_reach_the_bundles_and_are_checked():
     cfg = load_config("tiny", ["vision.resources={vision_node: 1}", "text.resources={text_node: 0.5}"])
     assert cfg.vision.resources == {"vision_node": 1.0} and cfg.text.resources == {"text_node": 0.5}
-    assert bundle([_resources(cfg.vision), _resources(cfg.text)]) == {
-        "CPU": 0.5, "text_node": 0.5, "vision_node": 1.0}
+    assert bundle([_resources(cfg.vision), _resources(cfg.text)]) == {"CPU": 0.5, "text_node": 0.5, "vision_node": 1.0}
     with pytest.raises(ConfigError, match="vision.resources"):
         load_config("tiny", ["vision.resources=3"])
     with pytest.raises(ConfigError, match="resources must be >= 0"):
         load_config("tiny", ["text.resources={gpu_host: -1}"])
     with pytest.raises(ConfigError, match="on_checkpoint_error"):
         load_config("tiny", ["training.on_checkpoint_error=ignore"])
-
 
 
 class _DiesAtStart(DistributedWorker):

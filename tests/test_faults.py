@@ -28,9 +28,23 @@ STEPS, EVERY, AT = 8, 2, 3  # `--quick`: 8 steps, a checkpoint every 2, the faul
 @pytest.fixture(scope="module")
 def recovery(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("recovery")
-    done = subprocess.run([sys.executable, "-m", "dhp.stages.cli", "bench", "recovery", "--quick", "--keep",
-                           str(out), "--json", str(out / "recovery.json")], capture_output=True, text=True,
-                          timeout=2400)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dhp.stages.cli",
+            "bench",
+            "recovery",
+            "--quick",
+            "--keep",
+            str(out),
+            "--json",
+            str(out / "recovery.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     rows = {r["kind"]: r for r in json.loads((out / "recovery.json").read_text())}
     assert sorted(rows) == sorted(KINDS)
@@ -64,8 +78,9 @@ def _placement(output: str) -> list[dict[str, str]]:
     """Every start-up placement block of a run's output: stage rank -> node id prefix."""
     blocks = []
     for block in output.split("placement: ")[1:]:
-        blocks.append({f"{m[0]} {m[1]}": m[2] for m in re.findall(r"(vision|text)\s+rank (\d): node \S+ \((\w+)\)",
-                                                                  block)})
+        blocks.append(
+            {f"{m[0]} {m[1]}": m[2] for m in re.findall(r"(vision|text)\s+rank (\d): node \S+ \((\w+)\)", block)}
+        )
     return blocks
 
 
@@ -88,8 +103,11 @@ def test_hung_rank_is_named_with_its_call_and_replaced(recovery):
     assert fault["kind"] == "a rank hung"
     # Only the stopped rank is named (the others answer their heartbeats), with the call it was in (it is stopped
     # right after step 3 is logged: in step 4's first calls, or its optimizer step).
-    assert re.search(r"vision rank 1 \(pid \d+, node \w+\) stopped answering in (forward|backward|sync_grads|"
-                     r"grad_sq_norm|optimizer_step|drain_events)$", fault["error"]), fault
+    assert re.search(
+        r"vision rank 1 \(pid \d+, node \w+\) stopped answering in (forward|backward|sync_grads|"
+        r"grad_sq_norm|optimizer_step|drain_events)$",
+        fault["error"],
+    ), fault
     assert "vision rank 0" not in fault["error"] and "text rank" not in fault["error"]
     assert f"training.step_timeout_s={HANG_TIMEOUT_S}" in fault["error"]
     assert HANG_TIMEOUT_S <= row["detect_s"] < HANG_TIMEOUT_S + 60
@@ -112,12 +130,17 @@ def test_failed_checkpoint_write_keeps_the_previous_and_continues(recovery):
     row = recovery["save"]
     out = row["output"][0]
     line = next(ln for ln in out.splitlines() if "checkpoint of step 4 failed" in ln)
-    assert line == ("checkpoint of step 4 failed (OSError: [Errno 28] No space left on device: "
-                    f"'{Path(row['run_dir'])}/checkpoints/.tmp-step_000004/text-rank0'); step_000002 is intact "
-                    "(verified); training continues, the next checkpoint is tried at its interval")
+    assert line == (
+        "checkpoint of step 4 failed (OSError: [Errno 28] No space left on device: "
+        f"'{Path(row['run_dir'])}/checkpoints/.tmp-step_000004/text-rank0'); step_000002 is intact "
+        "(verified); training continues, the next checkpoint is tried at its interval"
+    )
     ckpts = Path(row["run_dir"]) / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".fault")) == [
-        "step_000002", "step_000006", "step_000008"]  # no step 4, no staging dir left behind
+        "step_000002",
+        "step_000006",
+        "step_000008",
+    ]  # no step 4, no staging dir left behind
     assert all(verify(ckpts / name) is None for name in ("step_000002", "step_000006", "step_000008"))
     assert row["restarts"] == []
 
@@ -126,8 +149,12 @@ def test_rank_dying_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     run = start_run(tmp_path, "die", 6, 2, env={"DHP_INJECT_FAULT": "die@vision:1:4"})
     assert run.finish() == 0, run.output()[-3000:]
     out = run.output()
-    assert re.search(r"^checkpoint of step 4 failed \(.*\); step_000002 is intact \(verified\); resuming from it "
-                     r"after the rebuild$", out, re.M), out[-3000:]
+    assert re.search(
+        r"^checkpoint of step 4 failed \(.*\); step_000002 is intact \(verified\); resuming from it "
+        r"after the rebuild$",
+        out,
+        re.M,
+    ), out[-3000:]
     assert "resumed from" in out and "step_000002 (step 2)" in out
     assert [r["step"] for r in run.records()] == list(range(1, 7))
     assert epochs_exact(run.dir, tmp_path / "synth" / "train.jsonl", 6, 4)  # epoch 0 (steps 1-4) exactly once
@@ -135,12 +162,17 @@ def test_rank_dying_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
 
 
 def test_failed_checkpoint_write_stops_when_asked(tmp_path):
-    run = start_run(tmp_path, "stop", 6, 2, "training.on_checkpoint_error=stop",
-                    env={"DHP_INJECT_FAULT": "eacces@text:1:2"})
+    run = start_run(
+        tmp_path, "stop", 6, 2, "training.on_checkpoint_error=stop", env={"DHP_INJECT_FAULT": "eacces@text:1:2"}
+    )
     assert run.finish() == 1
     out = run.output()
-    assert re.search(r"^checkpoint of step 2 failed \(PermissionError: \[Errno 13\] Permission denied: .*\); there is "
-                     r"no earlier checkpoint; stopping \(training.on_checkpoint_error=stop\)$", out, re.M), out[-3000:]
+    assert re.search(
+        r"^checkpoint of step 2 failed \(PermissionError: \[Errno 13\] Permission denied: .*\); there is "
+        r"no earlier checkpoint; stopping \(training.on_checkpoint_error=stop\)$",
+        out,
+        re.M,
+    ), out[-3000:]
     assert not (run.dir / "checkpoints" / "step_000002").exists()
     assert [r["step"] for r in run.records()] == [1, 2]
 

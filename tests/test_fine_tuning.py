@@ -25,9 +25,15 @@ LAYOUTS = {  # (overrides, each text replica's micro-batches), as in tests/test_
     "tp2-tp2": (VTP2 + TP2, [[[0], [1, 2]]]),
     "zero3": (ZERO3, [[[0], [2]], [[1]]]),
 }
-GROUPS = ["vision.lr_scale=0.5", "vision.merger_lr_scale=2.0", "text.lr_scale=1.5",
-          "vision.weight_decay=0.2", "vision.merger_weight_decay=0.0", "text.weight_decay=0.05",
-          "training.max_grad_norm=0.05"]  # a frozen module's gradients are not in the norm: clip all the same
+GROUPS = [
+    "vision.lr_scale=0.5",
+    "vision.merger_lr_scale=2.0",
+    "text.lr_scale=1.5",
+    "vision.weight_decay=0.2",
+    "vision.merger_weight_decay=0.0",
+    "text.weight_decay=0.05",
+    "training.max_grad_norm=0.05",
+]  # a frozen module's gradients are not in the norm: clip all the same
 MODES = {"vision-none": ["vision.train=none"], "merger": ["vision.train=merger"], "text-none": ["text.train=none"]}
 CASES = [(lay, mode) for lay in LAYOUTS for mode in MODES] + [("sp2-tp2", "all")]
 
@@ -76,12 +82,15 @@ def test_fine_tuning_matches_transformers(parity_setup, ray_session, tmp_path, l
         assert ("backward" in s["calls"]) == (mode != "vision-none") and s["pending"] == 0
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["vision.train=none", "text.train=none"], "nothing would train"),
-    (["text.train=merger"], "'text.train' expects one of \\['all', 'lora', 'none'\\]"),
-    (["text.merger_lr_scale=2"], "unknown key 'text.merger_lr_scale'"),
-    (["vision.merger_lr_scale=0"], "vision.merger_lr_scale must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["vision.train=none", "text.train=none"], "nothing would train"),
+        (["text.train=merger"], "'text.train' expects one of \\['all', 'lora', 'none'\\]"),
+        (["text.merger_lr_scale=2"], "unknown key 'text.merger_lr_scale'"),
+        (["vision.merger_lr_scale=0"], "vision.merger_lr_scale must be > 0"),
+    ],
+)
 def test_rejected_choices_fail_at_start(overrides, message):
     from dhp.models.parallel.checks import check_layout
 
@@ -100,9 +109,15 @@ def test_groups_follow_module_names_in_both_naming_schemes():
     assert ft.groups["vision_blocks"].weight_decay == 0.2 and ft.groups["merger"].weight_decay == 0.0
 
 
-@pytest.mark.parametrize(("vision", "text", "all_of"), [
-    ("all", "all", {"vision", "text"}), ("merger", "lora", set()), ("none", "all", {"text"}),
-    ("all", "none", {"vision"})])
+@pytest.mark.parametrize(
+    ("vision", "text", "all_of"),
+    [
+        ("all", "all", {"vision", "text"}),
+        ("merger", "lora", set()),
+        ("none", "all", {"text"}),
+        ("all", "none", {"vision"}),
+    ],
+)
 def test_trains_all_is_the_default_choice_only(vision, text, all_of):
     ft = FineTuning(load_config("tiny", [f"vision.train={vision}", f"text.train={text}"]))
     assert {stage for stage in ("vision", "text") if ft.trains_all(stage)} == all_of

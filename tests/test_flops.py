@@ -63,8 +63,14 @@ def test_hf_forward_matches_the_count_part_by_part(config):
     ids = _sample(GRIDS)
     pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), 1176)
     with FlopCounterMode(display=False) as forward:
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, pixel_values=pixels,
-                    image_grid_thw=torch.tensor(GRIDS), mm_token_type_ids=(ids == IMAGE).int())
+        out = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            labels=ids,
+            pixel_values=pixels,
+            image_grid_thw=torch.tensor(GRIDS),
+            mm_token_type_ids=(ids == IMAGE).int(),
+        )
     vc, tc = config.vision_config, config.text_config
     vision = vision_forward_flops(vc, GRIDS)
     assert close(_by_module(forward, "model.visual"), vision)
@@ -101,7 +107,8 @@ def test_dhp_stages_match_the_count_with_logits_on_labelled_positions_only(confi
         embeds = vision(pixels, torch.tensor(GRIDS[:1]))
         text(ids, embeds, positions, torch.ones_like(ids), labels)
     expected = vision_forward_flops(config.vision_config, GRIDS[:1]) + text_forward_flops(
-        config.text_config, [ids.shape[1]], logit_tokens=count_label_tokens(labels))
+        config.text_config, [ids.shape[1]], logit_tokens=count_label_tokens(labels)
+    )
     assert close(counter.get_total_flops(), expected, tol=0.01)
 
 
@@ -125,14 +132,22 @@ def test_step_flops_from_real_microbatch_metadata(config):
         ids = _sample([grid])[0]
         labels = ids.clone()
         labels[:10] = IGNORE_INDEX
-        samples.append({"input_ids": ids, "labels": labels, "position_ids": torch.zeros(3, len(ids), dtype=torch.long),
-                        "pixel_values": torch.zeros(256, 1176), "image_grid_thw": torch.tensor([grid])})
+        samples.append(
+            {
+                "input_ids": ids,
+                "labels": labels,
+                "position_ids": torch.zeros(3, len(ids), dtype=torch.long),
+                "pixel_values": torch.zeros(256, 1176),
+                "image_grid_thw": torch.tensor([grid]),
+            }
+        )
     meta = meta_of(vision_inputs(samples), text_inputs(samples, pad_id=0))
     vision, text = step_flops(config, [meta])
     length = len(samples[0]["input_ids"])
     assert vision == pytest.approx(TRAIN_FACTOR * vision_forward_flops(config.vision_config, [grid] * 2))
-    assert text == pytest.approx(TRAIN_FACTOR * text_forward_flops(config.text_config, [length] * 2,
-                                                                   logit_tokens=meta.label_tokens))
+    assert text == pytest.approx(
+        TRAIN_FACTOR * text_forward_flops(config.text_config, [length] * 2, logit_tokens=meta.label_tokens)
+    )
     assert meta.label_tokens == 2 * (length - 10)
 
 

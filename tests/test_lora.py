@@ -17,15 +17,23 @@ import torch
 from dhp.stages.config import ConfigError, load_config
 from tests.test_parity import SP2, TP2, check_parity, collect, hf_name
 
-LORA = ["text.train=lora", "text.lora.rank=4", "text.lora.alpha=8", "text.lora.dropout=0.0",
-        "text.lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "training.max_grad_norm=0.1"]
+LORA = [
+    "text.train=lora",
+    "text.lora.rank=4",
+    "text.lora.alpha=8",
+    "text.lora.dropout=0.0",
+    "text.lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    "training.max_grad_norm=0.1",
+]
 CASES = {
     "1v1t": ([], [[[0], [1], [2]]]),
     # the default layout, the ViT training too: text rank 0 sends the embedding gradient back, rank 1 does not
     "sp2-tp2": (SP2 + TP2, [[[0, 1], [2]]]),
     # TP 4 over 2 KV heads: each head's k/v rows (and their B) held by two ranks, summed over those two
-    "tp4-frozen-vit": (["text.parallelism=tensor", "text.num_actors=4", "text.degree=4", "vision.train=none"],
-                       [[[0], [1, 2]]]),
+    "tp4-frozen-vit": (
+        ["text.parallelism=tensor", "text.num_actors=4", "text.degree=4", "vision.train=none"],
+        [[[0], [1, 2]]],
+    ),
 }
 
 
@@ -35,8 +43,15 @@ def peft_reference(ref, trainer):
 
     lora = trainer.cfg.text.lora
     targets = "|".join(lora.targets.split(","))
-    model = get_peft_model(ref, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                           target_modules=rf".*language_model\.layers\.\d+\..*\.({targets})"))
+    model = get_peft_model(
+        ref,
+        LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=rf".*language_model\.layers\.\d+\..*\.({targets})",
+        ),
+    )
     initial = collect(trainer)
     with torch.no_grad():
         factors = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
@@ -55,9 +70,17 @@ def test_lora_matches_peft(parity_setup, ray_session, tmp_path, case):
     base_grads = {}
 
     def probe(trainer):
-        stats = ray.get([a.__ray_call__.remote(
-            lambda w: (sum(p.grad is not None for n, p in w.model.named_parameters() if ".lora_" not in n),
-                       w.optimizer is not None)) for a in trainer.text.actors])
+        stats = ray.get(
+            [
+                a.__ray_call__.remote(
+                    lambda w: (
+                        sum(p.grad is not None for n, p in w.model.named_parameters() if ".lora_" not in n),
+                        w.optimizer is not None,
+                    )
+                )
+                for a in trainer.text.actors
+            ]
+        )
         base_grads["text"] = stats
 
     params = check_parity(parity_setup, tmp_path, layout + LORA, replicas, probe, reference=peft_reference)
@@ -83,11 +106,17 @@ def test_lora_matches_peft(parity_setup, ray_session, tmp_path, case):
                 assert torch.allclose(p, folded[name], rtol=0, atol=1e-6), name
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["text.parallelism=zero3", "text.num_actors=2"], "text.train=lora is not available with text.parallelism=zero3"),
-    (["text.lora.rank=0"], "text.lora.rank must be >= 1"),
-    (["text.lora.targets= ,"], "text.lora.targets names no layer"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["text.parallelism=zero3", "text.num_actors=2"],
+            "text.train=lora is not available with text.parallelism=zero3",
+        ),
+        (["text.lora.rank=0"], "text.lora.rank must be >= 1"),
+        (["text.lora.targets= ,"], "text.lora.targets names no layer"),
+    ],
+)
 def test_lora_rejects_what_cannot_run(overrides, message):
     from dhp.models.parallel.checks import check_layout
 
@@ -110,10 +139,22 @@ def test_lora_checkpoint_holds_only_what_trains_and_resumes(parity_setup, ray_se
     from tests.test_parity import _microbatch, merged_lora
 
     _, ckpt, samples = parity_setup
-    cfg = load_config("tiny", LORA + ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-                                      "vision.train=none", *TP2, f"model.path={ckpt}", "training.steps=3",
-                                      "data.microbatch_tokens=1024", "vision.num_cpus_per_actor=0.5",
-                                      "text.num_cpus_per_actor=0.5"])
+    cfg = load_config(
+        "tiny",
+        LORA
+        + [
+            "vision.parallelism=none",
+            "vision.num_actors=1",
+            "vision.degree=1",
+            "vision.train=none",
+            *TP2,
+            f"model.path={ckpt}",
+            "training.steps=3",
+            "data.microbatch_tokens=1024",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
+        ],
+    )
     batches = [GlobalBatch([_microbatch(samples[:2], cfg)], epoch=0)]
     trainer = Trainer(cfg)
     try:
@@ -158,13 +199,25 @@ def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, ray_sessio
     from tests.test_parity import _microbatch
 
     _, ckpt, samples = parity_setup
-    common = [*LORA, "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1", "vision.train=none",
-              f"model.path={ckpt}", "training.lr=1e-2", "data.microbatch_tokens=1024",
-              "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
+    common = [
+        *LORA,
+        "vision.parallelism=none",
+        "vision.num_actors=1",
+        "vision.degree=1",
+        "vision.train=none",
+        f"model.path={ckpt}",
+        "training.lr=1e-2",
+        "data.microbatch_tokens=1024",
+        "vision.num_cpus_per_actor=0.5",
+        "text.num_cpus_per_actor=0.5",
+    ]
     runs = {}
     one_rank = ["text.parallelism=none", "text.num_actors=1", "text.degree=1"]
-    for name, extra in (("one rank", [*one_rank, "text.lora.dropout=0.3"]), ("tp2", [*TP2, "text.lora.dropout=0.3"]),
-                        ("no dropout", [*TP2])):
+    for name, extra in (
+        ("one rank", [*one_rank, "text.lora.dropout=0.3"]),
+        ("tp2", [*TP2, "text.lora.dropout=0.3"]),
+        ("no dropout", [*TP2]),
+    ):
         cfg = load_config("tiny", common + extra)
         batches = [GlobalBatch([_microbatch(samples[:2], cfg), _microbatch(samples[2:], cfg)], epoch=0)]
         trainer = Trainer(cfg)
@@ -185,8 +238,9 @@ def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, ray_sessio
     assert min(rel_err(plain[n], t) for n, t in one.items()) > 1e-2  # every factor's gradient sees its mask
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs a CUDA GPU")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -31,10 +31,16 @@ def _config(tied: bool = False, deep: bool = False):
     return config
 
 
-@pytest.mark.parametrize(("cls", "tied", "deep"), [
-    (TextModel, False, False), (TextModel, True, False), (VisionModel, False, False),
-    (TextModel, True, True), (VisionModel, False, True),
-])
+@pytest.mark.parametrize(
+    ("cls", "tied", "deep"),
+    [
+        (TextModel, False, False),
+        (TextModel, True, False),
+        (VisionModel, False, False),
+        (TextModel, True, True),
+        (VisionModel, False, True),
+    ],
+)
 def test_replay_is_the_seeded_full_build(cls, tied, deep):
     config = _config(tied, deep)
     torch.manual_seed(11)
@@ -125,9 +131,16 @@ def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, ray_sessi
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     _, _, samples = parity_setup
-    cfg = load_config("tiny", BASE + layout + [
-        "data.microbatch_tokens=1024", "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
-    ])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + layout
+        + [
+            "data.microbatch_tokens=1024",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
+        ],
+    )
     config = architecture_config("tiny")
     torch.manual_seed(cfg.model.init_seed)
     vision = VisionModel(config)
@@ -150,8 +163,11 @@ def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, ray_sessi
         trainer.shutdown()
     full_v, full_t = vision_inputs(samples), text_inputs(samples, pad_id=151643)
     ref_loss = ref(
-        input_ids=full_t["input_ids"], attention_mask=full_t["attention_mask"], labels=full_t["labels"],
-        pixel_values=full_v["pixel_values"], image_grid_thw=full_v["image_grid_thw"],
+        input_ids=full_t["input_ids"],
+        attention_mask=full_t["attention_mask"],
+        labels=full_t["labels"],
+        pixel_values=full_v["pixel_values"],
+        image_grid_thw=full_v["image_grid_thw"],
         mm_token_type_ids=(full_t["input_ids"] == 151655).int(),
     ).loss.item()
     assert abs(loss - ref_loss) / ref_loss <= 1e-6, (loss, ref_loss)
@@ -164,8 +180,21 @@ def test_measure_build_script_on_the_tiny_model():
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "dhp.scripts.measure_build", "--model", "tiny", "--stage", "text",
-           "--layout", "tensor", "--degree", "2", "--rank", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.scripts.measure_build",
+        "--model",
+        "tiny",
+        "--stage",
+        "text",
+        "--layout",
+        "tensor",
+        "--degree",
+        "2",
+        "--rank",
+        "1",
+    ]
     row = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     config = architecture_config("tiny")
     layout = make_layout("text", "tensor", 2, 2, config)

@@ -30,8 +30,14 @@ from tests.conftest import rel_err
 STEPS = 3
 # The layouts below are written relative to one vision and one text actor without parallelism (the
 # shipped default is the SP2 / TP2 layout).
-BASE = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-        "text.parallelism=none", "text.num_actors=1", "text.degree=1"]
+BASE = [
+    "vision.parallelism=none",
+    "vision.num_actors=1",
+    "vision.degree=1",
+    "text.parallelism=none",
+    "text.num_actors=1",
+    "text.degree=1",
+]
 SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
 TP2 = ["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"]
 AC_FULL = ["vision.activation_checkpointing=full", "text.activation_checkpointing=full"]
@@ -68,8 +74,7 @@ LAYOUTS = [
     # text tensor parallel x2 (vision pool 1 actor, text pool 2: M:N boundary 1 -> 2)
     (["text.parallelism=tensor", "text.num_actors=2", "text.degree=2"], [[[0], [1, 2]]]),
     # text tensor parallel x4 (KV heads replicated: tiny has 2) with data parallel x2 on both pools
-    (["vision.num_actors=2", "text.parallelism=tensor", "text.num_actors=8", "text.degree=4"],
-     [[[0]], [[1], [2]]]),
+    (["vision.num_actors=2", "text.parallelism=tensor", "text.num_actors=8", "text.degree=4"], [[[0]], [[1], [2]]]),
     # vision sequence parallel x2 (Ulysses), text tensor parallel x2
     (SP2 + TP2, [[[0, 1], [2]]]),
     # sp4 / tp2: the 4x6-patch image is smaller than a window, so some SP ranks hold nothing of it
@@ -77,12 +82,23 @@ LAYOUTS = [
     # sp2 / tp4 (vision pool 2 actors, text pool 4)
     (SP2 + ["text.parallelism=tensor", "text.num_actors=4", "text.degree=4"], [[[0, 1, 2]]]),
     # sp2 x dp2 and tp2 x dp2
-    (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2",
-      "text.parallelism=tensor", "text.num_actors=4", "text.degree=2"], [[[0], [2]], [[1]]]),
+    (
+        [
+            "vision.parallelism=sequence",
+            "vision.num_actors=4",
+            "vision.degree=2",
+            "text.parallelism=tensor",
+            "text.num_actors=4",
+            "text.degree=2",
+        ],
+        [[[0], [2]], [[1]]],
+    ),
     # ZeRO-3 on both pools (2 actors each = 2 replicas): replica 1 has one micro-batch fewer (padded),
     # and the text-only micro-batch makes vision rank 0 encode a placeholder to join the all-gathers
-    (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"],
-     [[[0], [2]], [[1]]]),
+    (
+        ["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"],
+        [[[0], [2]], [[1]]],
+    ),
     # the uniform tensor-parallel baseline: vision TP 2 and text TP 2
     (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2, [[[0], [1, 2]]]),
     # activation checkpointing: recomputed blocks re-run their collectives in backward, in the same order
@@ -91,8 +107,10 @@ LAYOUTS = [
     (SP2 + TP2 + AC_FULL, [[[0, 1], [2]]]),
     (["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
     (["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2 + AC_FULL, [[[0], [1, 2]]]),
-    (["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"]
-     + AC_FULL, [[[0], [2]], [[1]]]),
+    (
+        ["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"] + AC_FULL,
+        [[[0], [2]], [[1]]],
+    ),
 ]
 # Fan-out and fan-in: vision and text replica counts differ (models/parallel/routing.py). `replicas` are the text
 # replicas' micro-batches; the vision replicas take them by patch count.
@@ -109,8 +127,23 @@ FAN_LAYOUTS = [
     (["text.parallelism=zero3", "text.num_actors=2"], [[[0], [2]], [[1]]]),
 ]
 FAN_IDS = ["fanout-sp2-2xtp2", "fanin-3v-tp2", "fanin-2xsp2", "fanin-zero3v", "fanout-zero3t"]
-LAYOUT_IDS = ["1v1t", "dp2", "tp2", "dp2-tp4", "sp2-tp2", "sp4-tp2", "sp2-tp4", "dp2-sp2-tp2", "zero3-zero3", "tp2-tp2",
-              "1v1t-ac2", "sp2-tp2-ac", "sp4-tp2-ac", "tp2-tp2-ac", "zero3-zero3-ac"]
+LAYOUT_IDS = [
+    "1v1t",
+    "dp2",
+    "tp2",
+    "dp2-tp4",
+    "sp2-tp2",
+    "sp4-tp2",
+    "sp2-tp4",
+    "dp2-sp2-tp2",
+    "zero3-zero3",
+    "tp2-tp2",
+    "1v1t-ac2",
+    "sp2-tp2-ac",
+    "sp4-tp2-ac",
+    "tp2-tp2-ac",
+    "zero3-zero3-ac",
+]
 
 
 @pytest.mark.parametrize(("layout", "replicas"), LAYOUTS + FAN_LAYOUTS, ids=LAYOUT_IDS + FAN_IDS)
@@ -124,8 +157,9 @@ def hf_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".default.", ".")
 
 
-def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, probe=None,
-                 reference=None) -> dict[str, torch.Tensor]:
+def check_parity(
+    parity_setup, tmp_path, layout: list[str], replicas: list, probe=None, reference=None
+) -> dict[str, torch.Tensor]:
     """Train `STEPS` steps of `replicas`' micro-batches under `layout` (overrides after the common ones) and
     the reference in one process: losses, gradients, norms, per-module LRs and parameters must agree, and the
     export must load in transformers. The reference freezes and groups what `layout` freezes and groups
@@ -137,7 +171,8 @@ def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, prob
     longest = max(s["input_ids"].shape[0] for s in samples)
     cfg = load_config(
         "tiny",
-        BASE + [
+        BASE
+        + [
             f"model.path={ckpt}",
             f"data.microbatch_tokens={longest}",
             f"data.max_seq_len={longest}",
@@ -151,7 +186,8 @@ def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, prob
             "training.max_grad_norm=1.0",
             "vision.num_cpus_per_actor=0.5",
             "text.num_cpus_per_actor=0.5",
-        ] + layout,
+        ]
+        + layout,
     )
     batches = [
         GlobalBatch([_microbatch([samples[i] for i in group], cfg) for group in replica], epoch=0)
@@ -177,8 +213,9 @@ def check_parity(parity_setup, tmp_path, layout: list[str], replicas: list, prob
         FineTuning(cfg).freeze(ref)
         optimizer, scheduler = build_optimizer(ref, cfg)
         for pool, stage in ((trainer.vision, cfg.vision), (trainer.text, cfg.text)):  # checkpointing is on where asked
-            recomputing = ray.get(pool.actors[-1].__ray_call__.remote(
-                lambda w: sum(b.gradient_checkpointing for b in w.model.blocks())))
+            recomputing = ray.get(
+                pool.actors[-1].__ray_call__.remote(lambda w: sum(b.gradient_checkpointing for b in w.model.blocks()))
+            )
             assert (recomputing > 0) == (stage.activation_checkpointing != "none"), (pool.name, recomputing)
         for step in range(STEPS):
             loss = trainer.accumulate(batches)
@@ -246,11 +283,20 @@ def test_pipelined_order_trains_like_serial(parity_setup, ray_session):
     _, ckpt, samples = parity_setup
     results = {}
     for k in (1, 2, 4):
-        cfg = load_config("tiny", SP2 + TP2 + [
-            f"model.path={ckpt}", "data.microbatch_tokens=1024", f"training.steps={STEPS}",
-            "training.warmup_steps=1", f"pipeline.max_in_flight={k}",
-            "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
-        ])
+        cfg = load_config(
+            "tiny",
+            SP2
+            + TP2
+            + [
+                f"model.path={ckpt}",
+                "data.microbatch_tokens=1024",
+                f"training.steps={STEPS}",
+                "training.warmup_steps=1",
+                f"pipeline.max_in_flight={k}",
+                "vision.num_cpus_per_actor=0.5",
+                "text.num_cpus_per_actor=0.5",
+            ],
+        )
         batches = [GlobalBatch([_microbatch([s], cfg) for s in samples], epoch=0)]
         trainer = Trainer(cfg)
         try:
@@ -289,8 +335,9 @@ def test_export_hf_matches_dhp_model(parity_setup, ray_session, tmp_path, layout
     finally:
         trainer.shutdown()
     rank_files = sorted(p.name for p in dhp_ckpt.glob("*-rank*.safetensors"))
-    assert rank_files == sorted(f"{s}-rank{r:05d}{kind}.safetensors" for s in ("text", "vision") for r in range(2)
-                                for kind in ("", "-moments"))  # each rank's tensors and its AdamW moments by name
+    assert rank_files == sorted(
+        f"{s}-rank{r:05d}{kind}.safetensors" for s in ("text", "vision") for r in range(2) for kind in ("", "-moments")
+    )  # each rank's tensors and its AdamW moments by name
 
     out = ["--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"]
     assert main(["export-hf", "--checkpoint", str(dhp_ckpt), *out]) == 0
@@ -300,9 +347,14 @@ def test_export_hf_matches_dhp_model(parity_setup, ray_session, tmp_path, layout
         assert torch.equal(p.detach(), params[name]), name
     v, t = vision_inputs(samples[:2]), text_inputs(samples[:2], pad_id=151643)
     with torch.no_grad():
-        out = hf(input_ids=t["input_ids"], attention_mask=t["attention_mask"], labels=t["labels"],
-                 pixel_values=v["pixel_values"], image_grid_thw=v["image_grid_thw"],
-                 mm_token_type_ids=(t["input_ids"] == 151655).int())
+        out = hf(
+            input_ids=t["input_ids"],
+            attention_mask=t["attention_mask"],
+            labels=t["labels"],
+            pixel_values=v["pixel_values"],
+            image_grid_thw=v["image_grid_thw"],
+            mm_token_type_ids=(t["input_ids"] == 151655).int(),
+        )
     hf_loss = out.loss.item()
     mean = dhp_loss / count_label_tokens(t["labels"])
     assert abs(mean - hf_loss) / hf_loss <= 1e-6, (mean, hf_loss)

@@ -32,17 +32,36 @@ def test_deepspeed_zero3_first_loss_equals_dhp(parity_setup, ray_session, tmp_pa
     pair = samples[:2]  # rank r trains sample r at step 0
     torch.save(pair, tmp_path / "samples.pt")
     built = _extensions()
-    peer = launch(2, ["--model", str(ckpt), "--samples", str(tmp_path / "samples.pt"),
-                      "--out", str(tmp_path / "peer.json"), "--steps", "1"])
+    peer = launch(
+        2,
+        [
+            "--model",
+            str(ckpt),
+            "--samples",
+            str(tmp_path / "samples.pt"),
+            "--out",
+            str(tmp_path / "peer.json"),
+            "--steps",
+            "1",
+        ],
+    )
     assert peer["world"] == 2 and peer["config"]["zero_optimization"]["stage"] == 3
     # the first run on a machine JIT-builds DeepSpeed's CPU comm op: reported, never hidden
     assert set(peer["jit_built"]) == _extensions() - built and peer["initialize_s"] > 0
     assert all(r["peak_saved_bytes"] > 0 for r in peer["ranks"])
 
     longest = max(s["input_ids"].shape[0] for s in pair)
-    cfg = load_config("tiny", BASE + [f"model.path={ckpt}", f"data.microbatch_tokens={longest}",
-                                      f"data.max_seq_len={longest}", "vision.num_cpus_per_actor=0.5",
-                                      "text.num_cpus_per_actor=0.5"])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + [
+            f"model.path={ckpt}",
+            f"data.microbatch_tokens={longest}",
+            f"data.max_seq_len={longest}",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
         loss = trainer.accumulate([GlobalBatch([_microbatch([s], cfg) for s in pair], epoch=0)])

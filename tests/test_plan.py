@@ -34,8 +34,13 @@ def test_presets_fit_80gb_gpus(preset, tmp_path, capsys):
 def test_a_layout_that_does_not_fit_is_refused_before_anything_starts(tmp_path, capsys):
     """32B without activation checkpointing on 80 GB: `dhp plan` says so (exit 1), `dhp train` stops with the
     table and what would fit (exit 2) before Ray or a run directory; skip_memory_check gets past it."""
-    over = ["vision.activation_checkpointing=none", "text.activation_checkpointing=none", "model.precision=fp32",
-            f"output.dir={tmp_path}/runs", "training.gpu_memory_gib=80"]
+    over = [
+        "vision.activation_checkpointing=none",
+        "text.activation_checkpointing=none",
+        "model.precision=fp32",
+        f"output.dir={tmp_path}/runs",
+        "training.gpu_memory_gib=80",
+    ]
     assert main(["plan", "--config", "qwen2_5_vl_32b", *over]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["train", "--config", "qwen2_5_vl_32b", *over]) == 2
@@ -91,6 +96,7 @@ def test_lora_targets_that_match_nothing_fail_at_the_plan():
 def test_vision_graphs_alive_are_capped_by_the_micro_batches_of_a_step():
     """Each vision micro-batch in flight keeps its graph until its backward: `pipeline.max_in_flight` of them,
     but a step of 2 samples has at most 2 micro-batches (the H200's 7B at 16 k patches was planned for 3)."""
+
     def vision(*overrides: str) -> int:
         cfg = load_config("qwen2_5_vl_7b", list(overrides))
         return plan(cfg, model_config_of(cfg), vision_patches=4096)["ranks"]["vision"].activations

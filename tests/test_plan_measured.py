@@ -58,10 +58,14 @@ def test_plan_matches_what_the_actors_hold(deep_setup, ray_session, layout, repl
 FINE_TUNING = {
     "sp2-tp2-merger-lora": (SP2 + TP2 + ["vision.train=merger", "text.train=lora"], [[[0, 1], [2]]]),
     "sp2-tp2-none-all": (SP2 + TP2 + ["vision.train=none"], [[[0, 1], [2]]]),
-    "tp2-lora-dropout": (TP2 + ["text.train=lora", "text.lora.dropout=0.1",
-                                "text.lora.targets=q_proj,o_proj,down_proj"], [[[0], [1, 2]]]),
-    "1v1t-all-none-ac2": (["vision.activation_checkpointing=every_n", "text.train=none",
-                           "text.activation_checkpointing=every_n"], [[[0], [1], [2]]]),
+    "tp2-lora-dropout": (
+        TP2 + ["text.train=lora", "text.lora.dropout=0.1", "text.lora.targets=q_proj,o_proj,down_proj"],
+        [[[0], [1, 2]]],
+    ),
+    "1v1t-all-none-ac2": (
+        ["vision.activation_checkpointing=every_n", "text.train=none", "text.activation_checkpointing=every_n"],
+        [[[0], [1], [2]]],
+    ),
 }
 
 
@@ -72,10 +76,17 @@ def test_plan_follows_fine_tuning(deep_setup, ray_session, case):
 
 def check_plan(deep_setup, layout: list[str], replicas: list) -> None:
     model_config, ckpt, sample = deep_setup
-    cfg = load_config("tiny", BASE + layout + [
-        f"model.path={ckpt}", "data.microbatch_tokens=1024", "vision.num_cpus_per_actor=0.5",
-        "text.num_cpus_per_actor=0.5",
-    ])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + layout
+        + [
+            f"model.path={ckpt}",
+            "data.microbatch_tokens=1024",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
         for _, pool in trainer.pools():
@@ -96,10 +107,16 @@ def check_plan(deep_setup, layout: list[str], replicas: list) -> None:
             for record in records:
                 act, states = _planned(cfg, model_config, stage, record, rank)
                 report.append((stage, rank, "activations", record["bytes"], act))
-            report += [(stage, rank, "params", b["params"], states["params"]),
-                       (stage, rank, "grads", b["grads"], states["grads"]),
-                       (stage, rank, "optimizer", max(x["optimizer"] for x in after[stage]), states["optimizer"])]
-    print("\n".join(f"{s} r{r} {w}: measured {m} planned {p}" + (f" ({p / m - 1:+.1%})" if m else "")
-                    for s, r, w, m, p in report))
+            report += [
+                (stage, rank, "params", b["params"], states["params"]),
+                (stage, rank, "grads", b["grads"], states["grads"]),
+                (stage, rank, "optimizer", max(x["optimizer"] for x in after[stage]), states["optimizer"]),
+            ]
+    print(
+        "\n".join(
+            f"{s} r{r} {w}: measured {m} planned {p}" + (f" ({p / m - 1:+.1%})" if m else "")
+            for s, r, w, m, p in report
+        )
+    )
     bad = [row for row in report if abs(row[4] - row[3]) > TOLERANCE * row[3]]
     assert not bad, bad

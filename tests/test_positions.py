@@ -40,8 +40,20 @@ def _after(state: dict, taken_rows: list[Row]) -> dict:
 
 
 def _fresh(sizes: list[int], deals: bool) -> dict:
-    return {"epoch": 0, "cursor": 0, "source": "", "good": 0, "skipped": {}, "skip_examples": [], "parts": len(sizes),
-            "deals": deals, "files": "k", "plans": {}, "part": -1, "taken": 0}
+    return {
+        "epoch": 0,
+        "cursor": 0,
+        "source": "",
+        "good": 0,
+        "skipped": {},
+        "skip_examples": [],
+        "parts": len(sizes),
+        "deals": deals,
+        "files": "k",
+        "plans": {},
+        "part": -1,
+        "taken": 0,
+    }
 
 
 def _scenario(rng: random.Random) -> tuple[list[int], bool, list[int]]:
@@ -60,8 +72,12 @@ def test_resumes_continue_exactly_and_reshards_leave_nothing_out(seed):
     strided = False
     for n, next_n in zip(counts, counts[1:]):
         plans = states[0]["plans"]  # the same for every stream after a reshard
-        strided |= any(rd.step > 1 for x in range(epochs) for r in range(n)
-                       for rd in reads(len(sizes), plans.get(str(x)), r, n, deals))
+        strided |= any(
+            rd.step > 1
+            for x in range(epochs)
+            for r in range(n)
+            for rd in reads(len(sizes), plans.get(str(x)), r, n, deals)
+        )
         for r, s in enumerate(states):
             ahead = _rows(sizes, s, r, n, epochs)
             c = rng.randint(0, max(0, len(ahead) - sum(sizes)))  # leave the last epoch unread
@@ -72,8 +88,12 @@ def test_resumes_continue_exactly_and_reshards_leave_nothing_out(seed):
         states = reshard(states, next_n)
         assert len(states) == next_n and (n == next_n or all(s["part"] == -1 and s["taken"] == 0 for s in states))
     n = counts[-1]
-    strided |= any(rd.step > 1 for x in range(epochs) for r in range(n)
-                   for rd in reads(len(sizes), states[0]["plans"].get(str(x)), r, n, deals))
+    strided |= any(
+        rd.step > 1
+        for x in range(epochs)
+        for r in range(n)
+        for rd in reads(len(sizes), states[0]["plans"].get(str(x)), r, n, deals)
+    )
     rest = [row for r, s in enumerate(states) for row in _rows(sizes, s, r, n, epochs)]
     everything = {(x, k, i) for x in range(epochs) for k, size in enumerate(sizes) for i in range(size)}
     low = min(s["epoch"] for s in states)
@@ -107,8 +127,10 @@ def test_a_stream_ahead_by_an_epoch_keeps_its_progress():
 
 
 def test_counters_are_run_totals_on_stream_zero():
-    old = [{**_fresh([4], False), "good": 3, "skipped": {"bad_json": 1}, "skip_examples": ["x"]},
-           {**_fresh([4], False), "good": 4, "skipped": {"bad_json": 2, "no_image": 1}}]
+    old = [
+        {**_fresh([4], False), "good": 3, "skipped": {"bad_json": 1}, "skip_examples": ["x"]},
+        {**_fresh([4], False), "good": 4, "skipped": {"bad_json": 2, "no_image": 1}},
+    ]
     new = reshard(old, 3)
     assert [s["good"] for s in new] == [3, 2, 2]
     assert new[0]["skipped"] == {"bad_json": 3, "no_image": 1} and new[0]["skip_examples"] == ["x"]

@@ -53,11 +53,19 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
     checkpoint holds; each pool's two data-parallel replicas keep the moments of only their share of the
     parameters (ZeRO-1, the text pool included), together all of them."""
     _, _, samples = parity_setup
-    cfg = load_config("tiny", BASE + [
-        f"model.path={bf16_checkpoint}", f"model.precision={precision}", "data.microbatch_tokens=1024",
-        "vision.num_actors=2", "text.num_actors=2",
-        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
-    ])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + [
+            f"model.path={bf16_checkpoint}",
+            f"model.precision={precision}",
+            "data.microbatch_tokens=1024",
+            "vision.num_actors=2",
+            "text.num_actors=2",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
+        ],
+    )
     want = str(precision_of(precision).param_dtype)
     trainer = Trainer(cfg)
     try:
@@ -100,11 +108,19 @@ def test_bf16_loss_curve_tracks_fp32(ray_session, tmp_path):
 
     curves = {}
     for precision in ("fp32", "bf16"):
-        cfg = load_config("tiny", [
-            f"output.dir={tmp_path}/runs", f"output.name={precision}", f"data.synthetic.dir={tmp_path}/synth",
-            f"training.steps={STEPS}", "training.eval_every=0", "training.checkpoint_every=0",
-            "output.save_final_checkpoint=false", f"model.precision={precision}",
-        ])
+        cfg = load_config(
+            "tiny",
+            [
+                f"output.dir={tmp_path}/runs",
+                f"output.name={precision}",
+                f"data.synthetic.dir={tmp_path}/synth",
+                f"training.steps={STEPS}",
+                "training.eval_every=0",
+                "training.checkpoint_every=0",
+                "output.save_final_checkpoint=false",
+                f"model.precision={precision}",
+            ],
+        )
         train(cfg)
         rows = (tmp_path / "runs" / precision / "metrics.jsonl").read_text().splitlines()
         curves[precision] = [json.loads(line)["loss"] for line in rows]

@@ -95,11 +95,21 @@ def test_per_part_pools_train_one_model(parity_setup, ray_session):
     """Through the workers: data-parallel replicas of a tensor-parallel text pool and of the vision pool hold one
     model (`collect` asserts the replicas agree) of the exact build's distribution, and it trains."""
     _, _, samples = parity_setup
-    cfg = load_config("tiny", BASE + [
-        "model.random_init=per_part", "data.microbatch_tokens=1024", "training.warmup_steps=0", "vision.num_actors=2",
-        "text.parallelism=tensor", "text.num_actors=4", "text.degree=2",
-        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5",
-    ])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + [
+            "model.random_init=per_part",
+            "data.microbatch_tokens=1024",
+            "training.warmup_steps=0",
+            "vision.num_actors=2",
+            "text.parallelism=tensor",
+            "text.num_actors=4",
+            "text.degree=2",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
+        ],
+    )
     config = architecture_config("tiny")
     torch.manual_seed(cfg.model.init_seed)
     exact = {VisionModel.hf_name(n): t for n, t in VisionModel(config).state_dict().items()}

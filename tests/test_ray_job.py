@@ -76,18 +76,53 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     job_dir.mkdir()
     shutil.copy(preset_path("tiny"), job_dir / "my_run.yaml")
     secret = "dhp-test-" + secrets.token_hex(12)  # stands in for a real key: must never reach logs or the run dir
-    runtime_env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                                "AWS_ACCESS_KEY_ID": "AKIADHPTEST", "AWS_SECRET_ACCESS_KEY": secret}}
+    runtime_env = {
+        "env_vars": {
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "AWS_ACCESS_KEY_ID": "AKIADHPTEST",
+            "AWS_SECRET_ACCESS_KEY": secret,
+        }
+    }
     run_dir = tmp_path / "runs" / "job"
-    overrides = [f"training.steps={STEPS}", "training.global_batch_size=4", "training.eval_every=0",
-                 "training.eval_batches=1", "data.synthetic.num=32", "data.synthetic.eval_num=4",
-                 f"data.synthetic.dir={tmp_path}/synth", f"output.dir={tmp_path}/runs", "output.name=job"]
+    overrides = [
+        f"training.steps={STEPS}",
+        "training.global_batch_size=4",
+        "training.eval_every=0",
+        "training.eval_batches=1",
+        "data.synthetic.num=32",
+        "data.synthetic.eval_num=4",
+        f"data.synthetic.dir={tmp_path}/synth",
+        f"output.dir={tmp_path}/runs",
+        "output.name=job",
+    ]
     sid = "dhp-test-" + secrets.token_hex(4)
     env = head.client_env()  # RAY_ADDRESS=http://127.0.0.1:PORT, RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH
-    submit = _ray(["job", "submit", "--no-wait", "--submission-id", sid, "--working-dir", str(job_dir),
-                   "--runtime-env-json", json.dumps(runtime_env),
-                   "--entrypoint-num-cpus", "0.5", "--entrypoint-resources", json.dumps({"trainer_host": 1}),
-                   "--", "dhp", "train", "--config", "my_run.yaml", *overrides], env, tmp_path)
+    submit = _ray(
+        [
+            "job",
+            "submit",
+            "--no-wait",
+            "--submission-id",
+            sid,
+            "--working-dir",
+            str(job_dir),
+            "--runtime-env-json",
+            json.dumps(runtime_env),
+            "--entrypoint-num-cpus",
+            "0.5",
+            "--entrypoint-resources",
+            json.dumps({"trainer_host": 1}),
+            "--",
+            "dhp",
+            "train",
+            "--config",
+            "my_run.yaml",
+            *overrides,
+        ],
+        env,
+        tmp_path,
+    )
     assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
 
     client = JobSubmissionClient(head.dashboard_url, headers={"Authorization": f"Bearer {head.token()}"})
@@ -132,24 +167,52 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     return listening
 
 
-
 def _stop_and_check(head: LocalHead, tmp_path: Path) -> None:
     """`ray job stop` preempts the run: the driver gets SIGTERM, finishes its step, checkpoints, says so."""
     job_dir = tmp_path / "job2"
     job_dir.mkdir()
     shutil.copy(preset_path("tiny"), job_dir / "my_run.yaml")
     # Ray's job supervisor waits 3 s between SIGTERM and SIGKILL unless told otherwise (docs/training.md).
-    runtime_env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                                "RAY_JOB_STOP_WAIT_TIME_S": "120"}}
+    runtime_env = {
+        "env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_JOB_STOP_WAIT_TIME_S": "120"}
+    }
     run_dir = tmp_path / "runs" / "stopped"
-    overrides = ["training.steps=200", "training.global_batch_size=4", "training.eval_every=0",
-                 "training.eval_batches=1", "data.synthetic.num=32", "data.synthetic.eval_num=4",
-                 f"data.synthetic.dir={tmp_path}/synth", f"output.dir={tmp_path}/runs", "output.name=stopped"]
+    overrides = [
+        "training.steps=200",
+        "training.global_batch_size=4",
+        "training.eval_every=0",
+        "training.eval_batches=1",
+        "data.synthetic.num=32",
+        "data.synthetic.eval_num=4",
+        f"data.synthetic.dir={tmp_path}/synth",
+        f"output.dir={tmp_path}/runs",
+        "output.name=stopped",
+    ]
     sid = "dhp-test-" + secrets.token_hex(4)
     env = head.client_env()
-    submit = _ray(["job", "submit", "--no-wait", "--submission-id", sid, "--working-dir", str(job_dir),
-                   "--runtime-env-json", json.dumps(runtime_env), "--entrypoint-num-cpus", "0.5",
-                   "--", "dhp", "train", "--config", "my_run.yaml", *overrides], env, tmp_path)
+    submit = _ray(
+        [
+            "job",
+            "submit",
+            "--no-wait",
+            "--submission-id",
+            sid,
+            "--working-dir",
+            str(job_dir),
+            "--runtime-env-json",
+            json.dumps(runtime_env),
+            "--entrypoint-num-cpus",
+            "0.5",
+            "--",
+            "dhp",
+            "train",
+            "--config",
+            "my_run.yaml",
+            *overrides,
+        ],
+        env,
+        tmp_path,
+    )
     assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + JOB_TIMEOUT_S
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:

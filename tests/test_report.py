@@ -18,9 +18,20 @@ from dhp.stages.run_log import Progress, TensorBoard, fmt_duration
 
 
 def _record(step: int, **extra) -> dict:
-    return {"step": step, "loss": 10.0 / step, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0 * step,
-            "mfu": 0.01 * step, "model_tflops_per_s": 0.5, "vision_busy": 0.5, "text_busy": 0.25, "bubble": 0.1,
-            "step_time_s": 2.0, **extra}
+    return {
+        "step": step,
+        "loss": 10.0 / step,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 100.0 * step,
+        "mfu": 0.01 * step,
+        "model_tflops_per_s": 0.5,
+        "vision_busy": 0.5,
+        "text_busy": 0.25,
+        "bubble": 0.1,
+        "step_time_s": 2.0,
+        **extra,
+    }
 
 
 def _write_run(run, n: int = 4, summary: dict | None = None):
@@ -133,12 +144,18 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
     loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
-    assert loss == [(1, 10.0), (2, 5.0), (pytest.approx(3), pytest.approx(10 / 3)), (4, 104.0), (5, 105.0),
-                    (6, 106.0)]
+    assert loss == [(1, 10.0), (2, 5.0), (pytest.approx(3), pytest.approx(10 / 3)), (4, 104.0), (5, 105.0), (6, 106.0)]
     # Only the first process logged an eval loss, at step 6: purged with the rest of its steps >= 4.
     assert "eval/loss" not in acc.Tags()["scalars"] or acc.Scalars("eval/loss") == []
-    assert {"train/lr", "train/grad_norm", "throughput/tokens_per_s", "throughput/mfu", "pipeline/vision_busy",
-            "pipeline/text_busy", "pipeline/bubble"} <= set(acc.Tags()["scalars"])
+    assert {
+        "train/lr",
+        "train/grad_norm",
+        "throughput/tokens_per_s",
+        "throughput/mfu",
+        "pipeline/vision_busy",
+        "pipeline/text_busy",
+        "pipeline/bubble",
+    } <= set(acc.Tags()["scalars"])
     with TensorBoard(None, first_step=1) as off:  # output.tensorboard=false
         off.log(_record(1))
     assert len(list(log_dir.iterdir())) == 2

@@ -29,17 +29,23 @@ def _runtime_imports(path: Path) -> list[str]:
 
 
 def test_models_and_dataflow_import_nothing_from_stages():
-    hits = [f"{path.relative_to(ROOT)} imports {name}"
-            for folder in ("models", "dataflow") for path in sorted((ROOT / folder).rglob("*.py"))
-            for name in _runtime_imports(path) if name == "dhp.stages" or name.startswith("dhp.stages.")]
+    hits = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for folder in ("models", "dataflow")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name in _runtime_imports(path)
+        if name == "dhp.stages" or name.startswith("dhp.stages.")
+    ]
     assert hits == []
 
 
 def test_the_import_walk_sees_a_stages_import(tmp_path):
     """The walk above can fail: a run-time import is seen, one under TYPE_CHECKING is not."""
     module = tmp_path / "m.py"
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dhp.stages.config import Config\n"
-                      "def f():\n    from dhp.stages.pools import StagePool\n")
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dhp.stages.config import Config\n"
+        "def f():\n    from dhp.stages.pools import StagePool\n"
+    )
     assert _runtime_imports(module) == ["typing", "dhp.stages.pools"]
 
 
@@ -51,9 +57,11 @@ def test_storage_imports_no_torch():
 
 
 # Words that belong to the place dhp is built in, not to dhp: a user has never heard of them.
-FOREIGN = re.compile(r"\b(lent|lends?|lending|workplace|device tool)\b|\bissues? \d+|\bitems? \d+(?! of)"
-                     r"|\b(device|work|next|this|first|second|third|earlier|later) sessions?\b|\bsession script\b",
-                     re.IGNORECASE)
+FOREIGN = re.compile(
+    r"\b(lent|lends?|lending|workplace|device tool)\b|\bissues? \d+|\bitems? \d+(?! of)"
+    r"|\b(device|work|next|this|first|second|third|earlier|later) sessions?\b|\bsession script\b",
+    re.IGNORECASE,
+)
 
 
 def _tracked_text_files() -> list[Path]:
@@ -77,13 +85,22 @@ def test_the_project_speaks_of_itself_only():
 
 def test_foreign_words_are_caught():
     assert foreign_words("on the lent H100 (issue 14, item 3), next device session") == [
-        "lent", "issue 14", "item 3", "device session"]
+        "lent",
+        "issue 14",
+        "item 3",
+        "device session",
+    ]
     assert foreign_words("the test session's Ray; a Ray session; 3 items of 5; excellent") == []
 
 
 def test_nothing_points_outside_the_repository():
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in _tracked_text_files() if p != Path(__file__)
-            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if "../shared" in line]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in _tracked_text_files()
+        if p != Path(__file__)
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if "../shared" in line
+    ]
     assert hits == []
 
 
@@ -98,10 +115,16 @@ def test_design_citations_resolve():
             continue
         text = " ".join(path.read_text(errors="replace").split())  # a citation may wrap; "# " of comments stays
         text = text.replace(" # ", " ")
-        bad += [f"{path.relative_to(ROOT)}: invariant {n}"
-                for n in re.findall(r"docs/design\.md, invariants? (\d+)", text) if n not in invariants]
-        bad += [f"{path.relative_to(ROOT)}: {title!r}"
-                for title in re.findall(r"docs/design\.md, \"([^\"]+)\"", text) if title not in headings]
+        bad += [
+            f"{path.relative_to(ROOT)}: invariant {n}"
+            for n in re.findall(r"docs/design\.md, invariants? (\d+)", text)
+            if n not in invariants
+        ]
+        bad += [
+            f"{path.relative_to(ROOT)}: {title!r}"
+            for title in re.findall(r"docs/design\.md, \"([^\"]+)\"", text)
+            if title not in headings
+        ]
         bad += [f"{path.relative_to(ROOT)}: DESIGN" for _ in re.findall(r"\bDESIGN(?:\.md)?\b", text)]
     assert invariants == {"1", "2", "3", "4", "5"}
     assert bad == []

@@ -22,8 +22,14 @@ from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.weights.reshard import MOMENT_SEP, Part, SavedRanks, blocks, fill, index_of, local_shape
 
 LAYOUTS = {  # (name, degree, num_actors)
-    "vision": [("none", 1, 1), ("sequence", 2, 2), ("tensor", 2, 2), ("tensor", 4, 4), ("zero3", 1, 2),
-               ("zero3", 1, 3)],
+    "vision": [
+        ("none", 1, 1),
+        ("sequence", 2, 2),
+        ("tensor", 2, 2),
+        ("tensor", 4, 4),
+        ("zero3", 1, 2),
+        ("zero3", 1, 3),
+    ],
     "text": [("none", 1, 2), ("tensor", 2, 4), ("tensor", 4, 4), ("zero3", 1, 2), ("zero3", 1, 3)],
 }
 PAIRS = [(stage, a, b) for stage, lays in LAYOUTS.items() for a, b in itertools.product(lays, lays)]
@@ -69,8 +75,14 @@ def test_reshard_equals_slicing_the_full_state(full_states, stage, a, b):
         for name, t in full.items():
             want = _part(t, index_of(slicer, name))
             got = torch.full_like(want, float("nan"))
-            sources = [Part(index_of(la.slicer(s, shapes), name), tuple(stored[s][name].shape),
-                            lambda region, t=stored[s][name]: t[region]) for s in range(la.num_actors)]
+            sources = [
+                Part(
+                    index_of(la.slicer(s, shapes), name),
+                    tuple(stored[s][name].shape),
+                    lambda region, t=stored[s][name]: t[region],
+                )
+                for s in range(la.num_actors)
+            ]
             fill(got, shapes[name], index_of(slicer, name), sources, name)
             assert torch.equal(got, want), (name, r)
 
@@ -92,21 +104,34 @@ def _write_checkpoint(path, stage, layout, full, shapes, params):
     0-dim step, each parameter's moments on one replica only (ZeRO-1 style, alternating)."""
     for r in range(layout.num_actors):
         slicer = layout.slicer(r, shapes)
-        save_file({n: _part(t, index_of(slicer, n)).contiguous() for n, t in full.items()},
-                  str(path / f"{stage}-rank{r:05d}.safetensors"))
+        save_file(
+            {n: _part(t, index_of(slicer, n)).contiguous() for n, t in full.items()},
+            str(path / f"{stage}-rank{r:05d}.safetensors"),
+        )
         replica, dp = divmod(r, layout.degree)[0], layout.dp
         moments = {}
         for i, name in enumerate(params):
             if layout.spans_pool or i % dp == replica:
                 part = _part(full[name], index_of(slicer, name))
-                moments |= {f"{name}{MOMENT_SEP}exp_avg": part * 2, f"{name}{MOMENT_SEP}exp_avg_sq": part.abs(),
-                            f"{name}{MOMENT_SEP}step": torch.tensor(7.0)}
-        save_file({k: v.contiguous() for k, v in moments.items()},
-                  str(path / f"{stage}-rank{r:05d}-moments.safetensors"))
+                moments |= {
+                    f"{name}{MOMENT_SEP}exp_avg": part * 2,
+                    f"{name}{MOMENT_SEP}exp_avg_sq": part.abs(),
+                    f"{name}{MOMENT_SEP}step": torch.tensor(7.0),
+                }
+        save_file(
+            {k: v.contiguous() for k, v in moments.items()}, str(path / f"{stage}-rank{r:05d}-moments.safetensors")
+        )
 
 
-@pytest.mark.parametrize(("a", "b"), [(("tensor", 2, 4), ("tensor", 4, 4)), (("tensor", 2, 4), ("zero3", 1, 3)),
-                                      (("zero3", 1, 3), ("none", 1, 2)), (("tensor", 4, 4), ("tensor", 2, 4))])
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (("tensor", 2, 4), ("tensor", 4, 4)),
+        (("tensor", 2, 4), ("zero3", 1, 3)),
+        (("zero3", 1, 3), ("none", 1, 2)),
+        (("tensor", 4, 4), ("tensor", 2, 4)),
+    ],
+)
 def test_saved_ranks_read_weights_and_moments_into_another_layout(full_states, tmp_path, a, b):
     config, states = full_states
     stage = "text"

@@ -22,12 +22,23 @@ STEPS, K = 6, 3
 
 
 def _cfg(tmp_path, name: str, *extra: str):
-    return load_config("tiny", [
-        f"output.dir={tmp_path}/runs", f"output.name={name}", f"data.synthetic.dir={tmp_path}/synth",
-        "data.synthetic.num=48", "data.synthetic.eval_num=8", f"training.steps={STEPS}",
-        f"training.checkpoint_every={K}", "training.keep_last=0", "training.eval_every=0",
-        "training.eval_batches=1", "training.warmup_steps=2", *extra,
-    ])
+    return load_config(
+        "tiny",
+        [
+            f"output.dir={tmp_path}/runs",
+            f"output.name={name}",
+            f"data.synthetic.dir={tmp_path}/synth",
+            "data.synthetic.num=48",
+            "data.synthetic.eval_num=8",
+            f"training.steps={STEPS}",
+            f"training.checkpoint_every={K}",
+            "training.keep_last=0",
+            "training.eval_every=0",
+            "training.eval_batches=1",
+            "training.warmup_steps=2",
+            *extra,
+        ],
+    )
 
 
 def _losses(run) -> dict[int, float]:
@@ -52,8 +63,9 @@ def test_resumed_run_equals_uninterrupted_run(ray_session, tmp_path):
 
     board = EventAccumulator(str(resumed_run / "tensorboard"))
     board.Reload()  # the copied events of steps 1-6 plus the resumed ones from K+1: each step once (purge_step)
-    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == \
-        [(s, pytest.approx(v)) for s, v in sorted(_losses(run).items())]
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [
+        (s, pytest.approx(v)) for s, v in sorted(_losses(run).items())
+    ]
     a, b = (r / "checkpoints" / f"step_{STEPS:06d}" for r in (run, resumed_run))
     moments = {f.name for f in a.glob("*-moments.safetensors")}  # by name, one per rank, in the manifest
     assert len(moments) == 4 and moments <= json.loads((a / MANIFEST).read_text()).keys()
@@ -92,22 +104,46 @@ def test_checkpoint_choice_skips_incomplete_and_corrupt(tmp_path):
 
 # Resume into another layout: A's step-2 checkpoint resumed in B must give, after step 3, the parameters the
 # run gets in A (fp32, up to summation order: other TP/DP sizes add the same terms in another order).
-SP2_TP2 = ("vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2",
-           "text.parallelism=tensor", "text.num_actors=2", "text.degree=2")
-NONE_TP4 = ("vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-            "text.parallelism=tensor", "text.num_actors=4", "text.degree=4")
-TP2_DP2 = ("vision.parallelism=none", "vision.num_actors=2", "vision.degree=1",
-           "text.parallelism=tensor", "text.num_actors=4", "text.degree=2")
-SMALL = ("vision.num_cpus_per_actor=0.1", "text.num_cpus_per_actor=0.1", "training.steps=3",
-         "training.checkpoint_every=2", "data.synthetic.num=24")
+SP2_TP2 = (
+    "vision.parallelism=sequence",
+    "vision.num_actors=2",
+    "vision.degree=2",
+    "text.parallelism=tensor",
+    "text.num_actors=2",
+    "text.degree=2",
+)
+NONE_TP4 = (
+    "vision.parallelism=none",
+    "vision.num_actors=1",
+    "vision.degree=1",
+    "text.parallelism=tensor",
+    "text.num_actors=4",
+    "text.degree=4",
+)
+TP2_DP2 = (
+    "vision.parallelism=none",
+    "vision.num_actors=2",
+    "vision.degree=1",
+    "text.parallelism=tensor",
+    "text.num_actors=4",
+    "text.degree=2",
+)
+SMALL = (
+    "vision.num_cpus_per_actor=0.1",
+    "text.num_cpus_per_actor=0.1",
+    "training.steps=3",
+    "training.checkpoint_every=2",
+    "data.synthetic.num=24",
+)
 
 
 def _hf_params(run) -> dict[str, torch.Tensor]:
     return {n: t for f in sorted((run / "checkpoint").glob("*.safetensors")) for n, t in load_file(f).items()}
 
 
-@pytest.mark.parametrize(("a", "b"), [(SP2_TP2, NONE_TP4), (TP2_DP2, NONE_TP4)], ids=["sp2-tp2_to_none-tp4",
-                                                                                 "tp2xdp2_to_tp4"])
+@pytest.mark.parametrize(
+    ("a", "b"), [(SP2_TP2, NONE_TP4), (TP2_DP2, NONE_TP4)], ids=["sp2-tp2_to_none-tp4", "tp2xdp2_to_tp4"]
+)
 def test_resume_into_another_layout(ray_session, tmp_path, capsys, a, b):
     """Weights, AdamW moments and steps, LR schedule and the data position all carry over: a wrong moment
     or a sample trained twice / not at all would move step 3's parameters far more than 1e-6. TP2 x DP2 ->

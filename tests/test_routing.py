@@ -95,12 +95,29 @@ def test_check_layout_takes_any_fan_and_refuses_what_cannot_run():
     tiny = architecture_config("tiny")
     base = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
     check_layout(load_config("tiny", base + ["text.parallelism=tensor", "text.num_actors=8", "text.degree=2"]), tiny)
-    check_layout(load_config("tiny", ["vision.parallelism=none", "vision.num_actors=4", "vision.degree=1",
-                                      "text.parallelism=tensor", "text.num_actors=4", "text.degree=4"]), tiny)
+    check_layout(
+        load_config(
+            "tiny",
+            [
+                "vision.parallelism=none",
+                "vision.num_actors=4",
+                "vision.degree=1",
+                "text.parallelism=tensor",
+                "text.num_actors=4",
+                "text.degree=4",
+            ],
+        ),
+        tiny,
+    )
     zero3_text = base + ["text.parallelism=zero3", "text.num_actors=4", "text.degree=1"]
     with pytest.raises(ConfigError, match=r"pipeline.max_in_flight>=4"):
         check_layout(load_config("tiny", zero3_text + ["pipeline.max_in_flight=3"]), tiny)
     check_layout(load_config("tiny", zero3_text + ["pipeline.max_in_flight=4"]), tiny)
     with pytest.raises(ConfigError, match=r"global_batch_size=6 is not divisible by the 4 text replicas"):
-        check_layout(load_config("tiny", base + ["text.parallelism=none", "text.num_actors=4", "text.degree=1",
-                                                 "training.global_batch_size=6"]), tiny)
+        check_layout(
+            load_config(
+                "tiny",
+                base + ["text.parallelism=none", "text.num_actors=4", "text.degree=1", "training.global_batch_size=6"],
+            ),
+            tiny,
+        )

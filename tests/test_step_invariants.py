@@ -19,8 +19,16 @@ from dhp.stages.fault_injection import MISROUTE, misrouted
 from dhp.stages.step_ledger import StepInvariantError, StepLedger
 
 # One vision and one text actor without parallelism, half a logical CPU each (tests/test_parity.py's BASE).
-ONE_EACH = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1", "text.parallelism=none",
-            "text.num_actors=1", "text.degree=1", "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
+ONE_EACH = [
+    "vision.parallelism=none",
+    "vision.num_actors=1",
+    "vision.degree=1",
+    "text.parallelism=none",
+    "text.num_actors=1",
+    "text.degree=1",
+    "vision.num_cpus_per_actor=0.5",
+    "text.num_cpus_per_actor=0.5",
+]
 
 
 def test_ledger_owes_one_backward_per_forward():
@@ -29,12 +37,18 @@ def test_ledger_owes_one_backward_per_forward():
     ledger.forwarded(0, "graph of 0")
     ledger.forwarded(1)  # a text-only micro-batch: nothing to backward, but its backward is legal
     assert ledger.backward(1) is None and ledger.backward(0) == "graph of 0"
-    with pytest.raises(StepInvariantError, match=rf"^{where}: a backward of micro-batch 0, which this rank already "
-                                                 r"backwarded in this global batch \(backwards owed: none\)$"):
+    with pytest.raises(
+        StepInvariantError,
+        match=rf"^{where}: a backward of micro-batch 0, which this rank already "
+        r"backwarded in this global batch \(backwards owed: none\)$",
+    ):
         ledger.backward(0)
     ledger.forwarded(2, "graph of 2")
-    with pytest.raises(StepInvariantError, match=rf"^{where}: a backward of micro-batch 7, which this rank never "
-                                                 r"forwarded in this global batch \(backwards owed: \[2\]\)$"):
+    with pytest.raises(
+        StepInvariantError,
+        match=rf"^{where}: a backward of micro-batch 7, which this rank never "
+        r"forwarded in this global batch \(backwards owed: \[2\]\)$",
+    ):
         ledger.backward(7)
     with pytest.raises(StepInvariantError, match="micro-batch 2 forwarded a second time"):
         ledger.forwarded(2)
@@ -55,8 +69,11 @@ def test_ledger_of_gradients_kept_for_sending():
     left = ledger.owe(5, "the gradient of shard 0 of")
     left.pop(0)
     assert ledger.close() == ["text pool, replica 0, rank 0: micro-batch 5 was forwarded and never backwarded"]
-    with pytest.raises(StepInvariantError, match="^text pool, replica 0, rank 0: the gradient of shard 1 of "
-                                                 "micro-batch 5, which this rank never forwarded"):
+    with pytest.raises(
+        StepInvariantError,
+        match="^text pool, replica 0, rank 0: the gradient of shard 1 of "
+        "micro-batch 5, which this rank never forwarded",
+    ):
         ledger.owe(5, "the gradient of shard 1 of")
 
 
@@ -92,14 +109,18 @@ def test_vision_worker_records_text_only_forwards_and_refuses_unknown_backwards(
     grad = to_wire(torch.randn(1, 64))
     assert worker.forward(1, text_only).data.size == 0  # nothing to encode, nothing sent
     assert worker.backward(1, None) == 1  # legal: the text-only micro-batch was forwarded here
-    with pytest.raises(StepInvariantError, match=r"^vision pool, replica 0, rank 0: a backward of micro-batch 2, "
-                                                 r"which this rank never forwarded .*owed: \[0\]"):
+    with pytest.raises(
+        StepInvariantError,
+        match=r"^vision pool, replica 0, rank 0: a backward of micro-batch 2, "
+        r"which this rank never forwarded .*owed: \[0\]",
+    ):
         worker.backward(2, grad)
     assert all(p.grad is None for p in worker.model.parameters())  # the refused gradient went nowhere
     assert worker.close_global_batch() == [
         "vision pool, replica 0, rank 0: a backward of micro-batch 2, which this rank never forwarded in this global "
         "batch (backwards owed: [0])",
-        "vision pool, replica 0, rank 0: micro-batch 0 was forwarded and never backwarded"]
+        "vision pool, replica 0, rank 0: micro-batch 0 was forwarded and never backwarded",
+    ]
     worker.forward(0, image)
     worker.backward(0, grad)
     assert worker.close_global_batch() == []
@@ -121,7 +142,8 @@ def test_misroute_hook_sends_every_vision_backward_elsewhere(monkeypatch, dv, dt
     moved = misrouted(calls, dv)
     assert [c for c in moved if c.kind != VISION_BACKWARD] == [c for c in calls if c.kind != VISION_BACKWARD]
     assert {k: r for c in moved if c.kind == VISION_BACKWARD for r, k in c.members} == {
-        k: (r + 1) % dv for k, r in encoder.items()}
+        k: (r + 1) % dv for k, r in encoder.items()
+    }
 
 
 def test_every_fan_backwards_each_forward_on_its_replica_padding_included():
@@ -144,19 +166,38 @@ def test_misrouted_gradients_stop_the_run_in_one_line(ray_session, tmp_path, mon
     from dhp.stages.cli import main
 
     monkeypatch.setenv(MISROUTE, "1")
-    code = main(["train", *ONE_EACH, "vision.num_actors=2", f"output.dir={tmp_path}/runs", "output.name=misroute",
-                 f"data.synthetic.dir={tmp_path}/synth", "data.synthetic.num=8", "data.synthetic.eval_num=2",
-                 "data.microbatch_tokens=256", "data.max_seq_len=256", "training.steps=2",
-                 "training.global_batch_size=4", "data.preprocess_num_cpus=0.25", "pipeline.max_in_flight=2"])
+    code = main(
+        [
+            "train",
+            *ONE_EACH,
+            "vision.num_actors=2",
+            f"output.dir={tmp_path}/runs",
+            "output.name=misroute",
+            f"data.synthetic.dir={tmp_path}/synth",
+            "data.synthetic.num=8",
+            "data.synthetic.eval_num=2",
+            "data.microbatch_tokens=256",
+            "data.max_seq_len=256",
+            "training.steps=2",
+            "training.global_batch_size=4",
+            "data.preprocess_num_cpus=0.25",
+            "pipeline.max_in_flight=2",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]
     (line,) = [line for line in err.splitlines() if line.startswith("dhp: error:")]
-    assert line.startswith("dhp: error: step 1: not every forward of the global batch had its one backward, so no "
-                           "optimizer step: "), line
-    refused = re.findall(r"vision pool, replica (\d), rank (\d): a backward of micro-batch (\d+), which this rank "
-                         r"never forwarded", line)
-    left = re.findall(r"vision pool, replica (\d), rank (\d): micro-batch (\d+) was forwarded and never backwarded",
-                      line)
+    assert line.startswith(
+        "dhp: error: step 1: not every forward of the global batch had its one backward, so no optimizer step: "
+    ), line
+    refused = re.findall(
+        r"vision pool, replica (\d), rank (\d): a backward of micro-batch (\d+), which this rank "
+        r"never forwarded",
+        line,
+    )
+    left = re.findall(
+        r"vision pool, replica (\d), rank (\d): micro-batch (\d+) was forwarded and never backwarded", line
+    )
     assert refused and sorted(mb for *_, mb in refused) == sorted(mb for *_, mb in left), line
     encoder = {mb: replica for replica, _, mb in left}
     assert all(replica == str(1 - int(encoder[mb])) for replica, _, mb in refused)  # each went to the other one
@@ -172,19 +213,32 @@ def test_leftover_graph_stops_the_step_then_a_whole_batch_steps(parity_setup, ra
     from tests.test_parity import _microbatch, collect
 
     _, ckpt, samples = parity_setup
-    cfg = load_config("tiny", ONE_EACH + ["text.num_actors=2", f"model.path={ckpt}", "data.microbatch_tokens=1024",
-                                          "training.steps=2", "training.warmup_steps=0"])
+    cfg = load_config(
+        "tiny",
+        ONE_EACH
+        + [
+            "text.num_actors=2",
+            f"model.path={ckpt}",
+            "data.microbatch_tokens=1024",
+            "training.steps=2",
+            "training.warmup_steps=0",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
-        batches = [GlobalBatch([_microbatch([samples[0]], cfg)], epoch=0),
-                   GlobalBatch([_microbatch([samples[1]], cfg), _microbatch([samples[2]], cfg)], epoch=0)]
+        batches = [
+            GlobalBatch([_microbatch([samples[0]], cfg)], epoch=0),
+            GlobalBatch([_microbatch([samples[1]], cfg), _microbatch([samples[2]], cfg)], epoch=0),
+        ]
         before = collect(trainer)
         ray.get(trainer.vision.forward(0, 1000, batches[0].microbatches[0].vision))  # its backward never comes
         with pytest.raises(StepInvariantError) as failed:
             trainer.train_step(batches)
-        assert str(failed.value) == ("step 1: not every forward of the global batch had its one backward, so no "
-                                     "optimizer step: vision pool, replica 0, rank 0: micro-batch 1000 was forwarded "
-                                     "and never backwarded")
+        assert str(failed.value) == (
+            "step 1: not every forward of the global batch had its one backward, so no "
+            "optimizer step: vision pool, replica 0, rank 0: micro-batch 1000 was forwarded "
+            "and never backwarded"
+        )
         after = collect(trainer)
         assert all(torch.equal(after[n], t) for n, t in before.items())  # no optimizer step
         assert trainer.train_step(batches)["grad_norm"] > 0  # ledgers start clean; a whole batch steps

@@ -43,8 +43,16 @@ class FlakyProxy:
     access key id of every signed request.
     """
 
-    def __init__(self, upstream: str, failures: int, status: int = 503, code: str = "SlowDown", stall_s: float = 0,
-                 only: set[str] | None = None, methods: tuple[str, ...] = ("HEAD", "GET")):
+    def __init__(
+        self,
+        upstream: str,
+        failures: int,
+        status: int = 503,
+        code: str = "SlowDown",
+        stall_s: float = 0,
+        only: set[str] | None = None,
+        methods: tuple[str, ...] = ("HEAD", "GET"),
+    ):
         self.failures, self.failed, self.access_keys = failures, 0, set()
         self.seen: Counter[tuple[str, str]] = Counter()
         lock, proxy, target = threading.Lock(), self, upstream.split("://", 1)[1]
@@ -62,8 +70,11 @@ class FlakyProxy:
                 path = self.path.split("?")[0]
                 with lock:
                     proxy.seen[self.command, path] += 1
-                    fail = (proxy.seen[self.command, path] <= proxy.failures and self.command in methods
-                            and (only is None or path in only))
+                    fail = (
+                        proxy.seen[self.command, path] <= proxy.failures
+                        and self.command in methods
+                        and (only is None or path in only)
+                    )
                     proxy.failed += fail
                     if "Credential=" in auth:
                         proxy.access_keys.add(auth.split("Credential=", 1)[1].split("/", 1)[0])
@@ -79,8 +90,11 @@ class FlakyProxy:
                 upstream_conn.request(self.command, self.path, body=body, headers=headers)
                 resp = upstream_conn.getresponse()
                 data = resp.read()
-                keep = {k: v for k, v in resp.getheaders()
-                        if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date")}
+                keep = {
+                    k: v
+                    for k, v in resp.getheaders()
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date")
+                }
                 length = int(resp.getheader("Content-Length") or 0) if self.command == "HEAD" else len(data)
                 self._reply(resp.status, keep, data, length)
                 upstream_conn.close()
@@ -115,19 +129,31 @@ def dataset(tmp_path_factory, s3_endpoint) -> Path:
     root = tmp_path_factory.mktemp("storage") / PREFIX
     synth = write_synthetic_dataset(root, NUM, seed=7, eval_num=EVAL_NUM)
     lines = synth.train_path.read_text().splitlines()
-    missing = {"id": "missing", "image": MISSING, "conversations": [
-        {"from": "human", "value": "<image>\nDescribe the image."}, {"from": "gpt", "value": "Nothing."}]}
+    missing = {
+        "id": "missing",
+        "image": MISSING,
+        "conversations": [
+            {"from": "human", "value": "<image>\nDescribe the image."},
+            {"from": "gpt", "value": "Nothing."},
+        ],
+    }
     (root / "with_missing.jsonl").write_text("\n".join(lines[:5] + [json.dumps(missing)] + lines[5:]) + "\n")
     s3_endpoint.upload(root, BUCKET, PREFIX)
     return root
 
 
 def _loader(annotation: str, image_root: str, storage=None):
-    settings = PreprocessSettings(image_root, min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=1024,
-                                  storage=storage)
+    settings = PreprocessSettings(
+        image_root, min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=1024, storage=storage
+    )
     return loader_actor().remote(
-        [annotation], settings, architecture_config("tiny"), global_batch_size=4, microbatch_tokens=600,
-        seed=0, repeat=False,
+        [annotation],
+        settings,
+        architecture_config("tiny"),
+        global_batch_size=4,
+        microbatch_tokens=600,
+        seed=0,
+        repeat=False,
     )
 
 
@@ -215,14 +241,30 @@ def test_transient_errors_are_retried_and_fail_without_retries(s3_endpoint, faul
 
 
 def _train_cfg(tmp_path, name: str, train_uri: str, endpoint: str, eval_uri: str = "", *extra: str):
-    return load_config("tiny", [
-        f"data.train={train_uri}", f"data.eval={eval_uri}", f"data.storage.endpoint_url={endpoint}",
-        "data.max_pixels=12544", "training.steps=2", "training.global_batch_size=4",
-        "training.eval_every=0", "training.eval_batches=1", "training.warmup_steps=1",
-        "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-        "text.parallelism=none", "text.num_actors=1", "text.degree=1",
-        f"output.dir={tmp_path}/runs", f"output.name={name}", "output.save_final_checkpoint=false", *extra,
-    ])
+    return load_config(
+        "tiny",
+        [
+            f"data.train={train_uri}",
+            f"data.eval={eval_uri}",
+            f"data.storage.endpoint_url={endpoint}",
+            "data.max_pixels=12544",
+            "training.steps=2",
+            "training.global_batch_size=4",
+            "training.eval_every=0",
+            "training.eval_batches=1",
+            "training.warmup_steps=1",
+            "vision.parallelism=none",
+            "vision.num_actors=1",
+            "vision.degree=1",
+            "text.parallelism=none",
+            "text.num_actors=1",
+            "text.degree=1",
+            f"output.dir={tmp_path}/runs",
+            f"output.name={name}",
+            "output.save_final_checkpoint=false",
+            *extra,
+        ],
+    )
 
 
 def test_training_from_s3_equals_local_and_keeps_credentials_out(ray_session, s3_endpoint, dataset, tmp_path, capfd):
@@ -258,9 +300,19 @@ def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(ray_session, s3_en
     where the stream stood, rebuilds and trains to the end."""
     annotation = f"/{BUCKET}/{PREFIX}/train.jsonl"
     with FlakyProxy(s3_endpoint.url, failures=1, stall_s=90, only={annotation}, methods=("GET",)) as proxy:
-        summary = train(_train_cfg(
-            tmp_path, "stall", f"s3:/{annotation}", proxy.url, "", "data.timeout_s=20", "data.storage.max_attempts=1",
-            "data.storage.request_timeout_s=120", "training.max_restarts=1"))
+        summary = train(
+            _train_cfg(
+                tmp_path,
+                "stall",
+                f"s3:/{annotation}",
+                proxy.url,
+                "",
+                "data.timeout_s=20",
+                "data.storage.max_attempts=1",
+                "data.storage.request_timeout_s=120",
+                "training.max_restarts=1",
+            )
+        )
         assert proxy.failed == 1
     (fault,) = summary["restarts"]
     assert fault["kind"] == "the data pipeline stalled"

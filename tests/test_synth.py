@@ -27,8 +27,9 @@ def _images(rec: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
     out = tmp_path_factory.mktemp("synth") / "ds"
-    summary = write_synthetic_dataset(out, num=30, seed=3, eval_num=12, multi_image_fraction=0.2,
-                                      multi_turn_fraction=0.3)
+    summary = write_synthetic_dataset(
+        out, num=30, seed=3, eval_num=12, multi_image_fraction=0.2, multi_turn_fraction=0.3
+    )
     return summary, _load(summary.train_path), _load(summary.val_path)
 
 
@@ -70,8 +71,7 @@ def test_schema_images_and_placeholders(ds):
             kinds["multi_image"] += len(paths) == 2
             kinds["multi_turn"] += len(convs) == 4
             if len(paths) == 2:
-                assert re.fullmatch(rf"First: {CAPTION_RE.pattern} Second: {CAPTION_RE.pattern}",
-                                    convs[1]["value"])
+                assert re.fullmatch(rf"First: {CAPTION_RE.pattern} Second: {CAPTION_RE.pattern}", convs[1]["value"])
             else:
                 assert CAPTION_RE.fullmatch(convs[1]["value"])
     assert kinds["multi_image"] > 0 and kinds["multi_turn"] > 0
@@ -105,8 +105,12 @@ def test_second_round_answers_match_caption(ds):
         if len(convs) != 4:
             continue
         size, colour, shape, pos = CAPTION_RE.fullmatch(convs[1]["value"]).groups()
-        assert convs[3]["value"] in {colour.capitalize() + ".", f"In the {pos}.", f"A {shape}.",
-                                     size.capitalize() + "."}
+        assert convs[3]["value"] in {
+            colour.capitalize() + ".",
+            f"In the {pos}.",
+            f"A {shape}.",
+            size.capitalize() + ".",
+        }
         checked += 1
     assert checked > 0
 

@@ -68,22 +68,29 @@ def test_pipelining_hides_the_smaller_pool_on_disjoint_gpus():
     serial, piped = steps[1], steps[3]
     assert piped["step_s"] < serial["step_s"]
     calls = serial["per_call_s"]
-    hidden = serial["microbatches_per_text_replica"] * min(calls["vision_forward"] + calls["vision_backward"],
-                                                          calls["text"])
+    hidden = serial["microbatches_per_text_replica"] * min(
+        calls["vision_forward"] + calls["vision_backward"], calls["text"]
+    )
     assert serial["step_s"] - piped["step_s"] <= hidden * 1.001
 
 
 def test_plan_time_json_and_table(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    rc = cli_main(["plan", "--time", "--gpu", "h100-sxm", "--gpus", "2", "--image-patches", "4096",
-                   "--json", str(out)])
+    rc = cli_main(["plan", "--time", "--gpu", "h100-sxm", "--gpus", "2", "--image-patches", "4096", "--json", str(out)])
     assert rc == 0
     row = json.loads(out.read_text())
     assert {"fits", "step_s", "vision_tokens_per_s", "global_batch_size", "parts_s", "bubble_s"} <= set(row)
     assert row["vision_tokens_per_s"] == pytest.approx(row["global_batch_size"] * 4096 / row["step_s"])
     parts = row["parts_s"]
-    for part in ("vision.linear", "vision.collectives", "text.linear", "text.collectives", "vision.boundary",
-                 "text.optimizer", "vision.grad_sync"):
+    for part in (
+        "vision.linear",
+        "vision.collectives",
+        "text.linear",
+        "text.collectives",
+        "vision.boundary",
+        "text.optimizer",
+        "vision.grad_sync",
+    ):
         assert parts[part] > 0, part
     assert "vision tokens/s" in capsys.readouterr().out
 
@@ -108,8 +115,22 @@ def test_plan_time_reads_a_measured_profile():
 
 def test_search_ranks_and_writes_a_config_train_accepts(tmp_path, capsys):
     out = tmp_path / "best.yaml"
-    rc = cli_main(["plan", "--search", "--gpu", "h100-sxm", "--gpus", "2", "--image-patches", "1024",
-                   "--out", str(out), "--top", "5"])
+    rc = cli_main(
+        [
+            "plan",
+            "--search",
+            "--gpu",
+            "h100-sxm",
+            "--gpus",
+            "2",
+            "--image-patches",
+            "1024",
+            "--out",
+            str(out),
+            "--top",
+            "5",
+        ]
+    )
     assert rc == 0
     assert "| 1 |" in capsys.readouterr().out
     best = load_config(str(out))
@@ -139,9 +160,15 @@ def test_time_model_follows_the_fine_tuning_modes():
     assert set(rows) == set(MODES)
     predicted = {}
     for mode, overrides in MODES.items():
-        cfg = load_config("tiny", overrides + [f"data.microbatch_tokens={w.sample_tokens}",
-                                               f"data.max_seq_len={w.sample_tokens}",
-                                               f"training.global_batch_size={measured['samples_per_step']}"])
+        cfg = load_config(
+            "tiny",
+            overrides
+            + [
+                f"data.microbatch_tokens={w.sample_tokens}",
+                f"data.max_seq_len={w.sample_tokens}",
+                f"training.global_batch_size={measured['samples_per_step']}",
+            ],
+        )
         predicted[mode] = r = predict(prepare(cfg, prof, None, w), mc, prof, w)
         assert abs(r["step_s"] / rows[mode]["step_s"] - 1) <= 0.25, (mode, r["step_s"], rows[mode]["step_s"])
     frozen, full = predicted["frozen ViT"], predicted["all"]
@@ -162,7 +189,11 @@ def test_zero3_merger_only_backward_gathers_only_the_merger():
     prof, w = profile(str(CPU_PROFILE)), Workload(2048, 64)
     backward = {}
     for mode in ("all", "merger"):
-        cfg, mc = _tiny(*ZERO3, f"vision.train={mode}", f"data.microbatch_tokens={w.sample_tokens}",
-                        f"data.max_seq_len={w.sample_tokens}")
+        cfg, mc = _tiny(
+            *ZERO3,
+            f"vision.train={mode}",
+            f"data.microbatch_tokens={w.sample_tokens}",
+            f"data.max_seq_len={w.sample_tokens}",
+        )
         backward[mode] = predict(prepare(cfg, prof, None, w), mc, prof, w)["per_call_s"]["vision_backward"]
     assert 0 < backward["merger"] < backward["all"] / 10, backward

@@ -39,9 +39,7 @@ def tok(cache_dir: Path):
 def reference() -> tiktoken.Encoding:
     lines = qtok.ranks_path().read_bytes().splitlines()
     ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines if line)}
-    return tiktoken.Encoding(
-        "qwen-ref", pat_str=qtok.PRETOKENIZE_REGEX, mergeable_ranks=ranks, special_tokens={}
-    )
+    return tiktoken.Encoding("qwen-ref", pat_str=qtok.PRETOKENIZE_REGEX, mergeable_ranks=ranks, special_tokens={})
 
 
 HANDWRITTEN = [
@@ -163,9 +161,7 @@ def test_chat_template_single_turn_image(tok) -> None:
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]},
         {"role": "assistant", "content": "A red circle."},
     ]
-    expected = (
-        f"{SYS}<|im_start|>user\n{VIS}Describe.<|im_end|>\n<|im_start|>assistant\nA red circle.<|im_end|>\n"
-    )
+    expected = f"{SYS}<|im_start|>user\n{VIS}Describe.<|im_end|>\n<|im_start|>assistant\nA red circle.<|im_end|>\n"
     assert tok.apply_chat_template(messages, tokenize=False) == expected
 
 
@@ -224,9 +220,7 @@ def test_second_process_loads_from_cache(tok, cache_dir: Path, tmp_path: Path) -
 
 @pytest.mark.slow  # a subprocess or a measured bench run
 def test_concurrent_cold_builds_share_one_cache(tmp_path: Path) -> None:
-    code = (
-        "import sys; from dhp.dataflow.tokenizer import load_tokenizer as L; print(len(L(None, sys.argv[1])))"
-    )
+    code = "import sys; from dhp.dataflow.tokenizer import load_tokenizer as L; print(len(L(None, sys.argv[1])))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
         for _ in range(3)

@@ -34,18 +34,45 @@ def test_recorder_records_and_drains(monkeypatch):
     events = rec.drain()
     no_ray = {"worker": "w3", "receive_s": 0.0, "send_s": 0.0}
     assert events == [
-        {"stage": "vision", "rank": 3, "name": "forward", "mb": 0, "start": 10.0, "end": 10.5, "step": 0,
-         "copy_s": 0.1875, **no_ray},
-        {"stage": "vision", "rank": 3, "name": "optimizer_step", "mb": -1, "start": 11.0, "end": 12.25, "step": 7,
-         "copy_s": 0.0, **no_ray},  # each call counts its own copies
+        {
+            "stage": "vision",
+            "rank": 3,
+            "name": "forward",
+            "mb": 0,
+            "start": 10.0,
+            "end": 10.5,
+            "step": 0,
+            "copy_s": 0.1875,
+            **no_ray,
+        },
+        {
+            "stage": "vision",
+            "rank": 3,
+            "name": "optimizer_step",
+            "mb": -1,
+            "start": 11.0,
+            "end": 12.25,
+            "step": 7,
+            "copy_s": 0.0,
+            **no_ray,
+        },  # each call counts its own copies
     ]
     assert all(type(e) is dict for e in events)  # plain dicts: cheap through Ray
     assert rec.drain() == []
     with pytest.raises(RuntimeError, match="boom"), rec.record("backward", 2):  # a failed call is still recorded
         raise RuntimeError("boom")
     assert rec.drain() == [
-        {"stage": "vision", "rank": 3, "name": "backward", "mb": 2, "start": 13.0, "end": 13.5, "step": 7,
-         "copy_s": 0.0, **no_ray}
+        {
+            "stage": "vision",
+            "rank": 3,
+            "name": "backward",
+            "mb": 2,
+            "start": 13.0,
+            "end": 13.5,
+            "step": 7,
+            "copy_s": 0.0,
+            **no_ray,
+        }
     ]
 
 
@@ -120,8 +147,9 @@ def test_chrome_trace(tmp_path):
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert threads == {(1, 0): "rank 0", (1, 1): "rank 1", (2, 0): "rank 0"}
     assert len(complete) == 4
-    got = sorted((e["pid"], e["tid"], e["name"], e["ts"], e["dur"], e["args"]["mb"], e["args"]["step"])
-                 for e in complete)
+    got = sorted(
+        (e["pid"], e["tid"], e["name"], e["ts"], e["dur"], e["args"]["mb"], e["args"]["step"]) for e in complete
+    )
     assert got == [  # ts relative to the earliest start (1000.0), microseconds
         (1, 0, "forward", 0.0, 500000.0, 0, 3),
         (1, 0, "optimizer_step", 2000000.0, 0.0, -1, 3),
@@ -137,19 +165,37 @@ def _ray_task(tid: str, start: float, receive: float, execute: float, send: floa
     us = 1e6
 
     def part(cat: str, s: float, d: float) -> dict:
-        return {"cat": cat, "name": cat, "ph": "X", "pid": "192.0.2.2", "tid": tid, "ts": s * us, "dur": d * us,
-                "args": {}}
+        return {
+            "cat": cat,
+            "name": cat,
+            "ph": "X",
+            "pid": "192.0.2.2",
+            "tid": tid,
+            "ts": s * us,
+            "dur": d * us,
+            "args": {},
+        }
 
-    return [part("task:deserialize_arguments", start, receive), part("task:execute", start + receive, execute),
-            part("task:store_outputs", start + receive + execute, send),
-            {**part("task::TextWorker.forward_backward", start, receive + execute + send), "name": "forward_backward"}]
+    return [
+        part("task:deserialize_arguments", start, receive),
+        part("task:execute", start + receive, execute),
+        part("task:store_outputs", start + receive + execute, send),
+        {**part("task::TextWorker.forward_backward", start, receive + execute + send), "name": "forward_backward"},
+    ]
 
 
 def test_ray_transfers_attach_to_the_call_of_the_same_worker_and_time():
-    ray_events = [*_ray_task("worker:w1", 100.0, 0.25, 1.0, 0.5), *_ray_task("worker:w1", 102.0, 0.125, 1.0, 0.0625),
-                  *_ray_task("worker:w2", 100.0, 3.0, 1.0, 3.0), {"ph": "i", "name": "instant"}]
-    events = [ev("text", 100.25, 101.25, name="forward_backward"), ev("text", 102.125, 103.125, mb=1),
-              ev("text", 104.0, 104.5, mb=2)]  # a call Ray has not reported yet
+    ray_events = [
+        *_ray_task("worker:w1", 100.0, 0.25, 1.0, 0.5),
+        *_ray_task("worker:w1", 102.0, 0.125, 1.0, 0.0625),
+        *_ray_task("worker:w2", 100.0, 3.0, 1.0, 3.0),
+        {"ph": "i", "name": "instant"},
+    ]
+    events = [
+        ev("text", 100.25, 101.25, name="forward_backward"),
+        ev("text", 102.125, 103.125, mb=1),
+        ev("text", 104.0, 104.5, mb=2),
+    ]  # a call Ray has not reported yet
     for e in events:
         e.worker = "w1"
     events.append(ev("vision", 100.1, 100.2))  # no worker id: cannot be matched
@@ -162,8 +208,9 @@ def test_ray_transfers_attach_to_the_call_of_the_same_worker_and_time():
     # task with nothing to deserialize or store, at the timeline's microsecond rounding) is not among them
     events[2].step = 1
     late = StageEvent("text", 0, "forward_backward", 3, 106.0, 106.5, 1, "w1")
-    _, missing = attach_ray_transfers([*events, late], [*ray_events, *_ray_task("worker:w1", 106.0, 0.0, 0.5, 0.0)],
-                                      missing_of_step=1)
+    _, missing = attach_ray_transfers(
+        [*events, late], [*ray_events, *_ray_task("worker:w1", 106.0, 0.0, 0.5, 0.0)], missing_of_step=1
+    )
     assert missing == 1  # events[2]; not `late`, nor the step-0 calls
 
 
@@ -172,17 +219,22 @@ def test_ray_transfers_of_back_to_back_short_calls_stay_their_own():
     apart take their own task's transfers, not a neighbour's; a heartbeat (another concurrency group of the same
     worker) that started after the call's task is passed over."""
     ms = 1e-3
-    ray_events = [*_ray_task("worker:w", 100.0, 0.2 * ms, 0.05 * ms, 0.1 * ms),  # ends at 100.00035
-                  *_ray_task("worker:w", 100.0 + 0.65 * ms, 0.3 * ms, 1.0 * ms, 0.3 * ms),
-                  *_ray_task("worker:w", 100.0 + 2.3 * ms, 0.4 * ms, 5.0 * ms, 0.5 * ms),
-                  *_ray_task("worker:w", 100.0 + 2.8 * ms, 0.01 * ms, 0.01 * ms, 0.01 * ms)]  # a heartbeat
-    calls = [StageEvent("vision", 0, "backward", 0, 100.0 + 0.2 * ms, 100.0 + 0.25 * ms, 0, "w"),
-             StageEvent("vision", 0, "forward", 1, 100.0 + 0.95 * ms, 100.0 + 1.95 * ms, 0, "w"),
-             StageEvent("vision", 0, "forward", 2, 100.0 + 2.9 * ms, 100.0 + 7.7 * ms, 0, "w")]
+    ray_events = [
+        *_ray_task("worker:w", 100.0, 0.2 * ms, 0.05 * ms, 0.1 * ms),  # ends at 100.00035
+        *_ray_task("worker:w", 100.0 + 0.65 * ms, 0.3 * ms, 1.0 * ms, 0.3 * ms),
+        *_ray_task("worker:w", 100.0 + 2.3 * ms, 0.4 * ms, 5.0 * ms, 0.5 * ms),
+        *_ray_task("worker:w", 100.0 + 2.8 * ms, 0.01 * ms, 0.01 * ms, 0.01 * ms),
+    ]  # a heartbeat
+    calls = [
+        StageEvent("vision", 0, "backward", 0, 100.0 + 0.2 * ms, 100.0 + 0.25 * ms, 0, "w"),
+        StageEvent("vision", 0, "forward", 1, 100.0 + 0.95 * ms, 100.0 + 1.95 * ms, 0, "w"),
+        StageEvent("vision", 0, "forward", 2, 100.0 + 2.9 * ms, 100.0 + 7.7 * ms, 0, "w"),
+    ]
     got, missing = attach_ray_transfers(calls, ray_events)
     assert missing == 0
     assert [t for e in got for t in (e["receive_s"], e["send_s"])] == pytest.approx(
-        [0.2 * ms, 0.1 * ms, 0.3 * ms, 0.3 * ms, 0.4 * ms, 0.5 * ms], abs=1e-9)
+        [0.2 * ms, 0.1 * ms, 0.3 * ms, 0.3 * ms, 0.4 * ms, 0.5 * ms], abs=1e-9
+    )
 
 
 def test_boundary_seconds_per_microbatch():
@@ -192,8 +244,12 @@ def test_boundary_seconds_per_microbatch():
     events = []
     for step in (2, 3):
         for mb in (0, 1):
-            events += [call("vision", "forward", mb, step=step), call("text", "forward_backward", mb, step=step),
-                       call("vision", "backward", mb, step=step), call("text", "forward_backward", mb, 1, step)]
+            events += [
+                call("vision", "forward", mb, step=step),
+                call("text", "forward_backward", mb, step=step),
+                call("vision", "backward", mb, step=step),
+                call("text", "forward_backward", mb, 1, step),
+            ]
         events.append(call("vision", "optimizer_step", -1, step=step))
     got = boundary_seconds(events)
     # per micro-batch: 3 calls' copies; vision forward's send + text's receive and send + vision backward's receive
@@ -203,13 +259,16 @@ def test_boundary_seconds_per_microbatch():
 
 
 def test_chrome_trace_shows_ray_transfers_around_the_call(tmp_path):
-    e = StageEvent("text", 0, "forward_backward", 0, 1000.5, 1001.5, 3, "w", copy_s=0.125, receive_s=0.25,
-                   send_s=0.5)
+    e = StageEvent("text", 0, "forward_backward", 0, 1000.5, 1001.5, 3, "w", copy_s=0.125, receive_s=0.25, send_s=0.5)
     write_chrome_trace([e, StageEvent("vision", 0, "forward", 0, 1000.5, 1000.75, 3)], tmp_path / "t.json")
     complete = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
     got = sorted((e["cat"], e["name"], e["ts"], e["dur"]) for e in complete)
-    assert got == [("text", "forward_backward", 250000.0, 1000000.0), ("text", "receive", 0.0, 250000.0),
-                   ("text", "send", 1250000.0, 500000.0), ("vision", "forward", 250000.0, 250000.0)]
+    assert got == [
+        ("text", "forward_backward", 250000.0, 1000000.0),
+        ("text", "receive", 0.0, 250000.0),
+        ("text", "send", 1250000.0, 500000.0),
+        ("vision", "forward", 250000.0, 250000.0),
+    ]
     assert next(e for e in complete if e["name"] == "forward_backward")["args"]["copy_s"] == 0.125
     assert {e["args"]["call"] for e in complete if e["name"] in ("receive", "send")} == {"forward_backward"}
 

@@ -20,14 +20,36 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
-REQUIRED = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "grad_norm", "vision_busy", "text_busy",
-            "bubble", "driver_ms_per_microbatch", "vision_tokens", "text_tokens", "model_tflops_per_s", "mfu"}
+REQUIRED = {
+    "step",
+    "loss",
+    "lr",
+    "tokens",
+    "step_time_s",
+    "tokens_per_s",
+    "grad_norm",
+    "vision_busy",
+    "text_busy",
+    "bubble",
+    "driver_ms_per_microbatch",
+    "vision_tokens",
+    "text_tokens",
+    "model_tflops_per_s",
+    "mfu",
+}
 
 
 def test_default_run_learns_and_writes_its_outputs(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "dhp.stages.cli", "train", f"output.dir={tmp_path}/runs", "output.name=default",
-           f"data.synthetic.dir={tmp_path}/synth"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.stages.cli",
+        "train",
+        f"output.dir={tmp_path}/runs",
+        "output.name=default",
+        f"data.synthetic.dir={tmp_path}/synth",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "default"
@@ -60,9 +82,12 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
     # One exception: the raylet's disk monitor (`file_system_monitor.cc`, "... is over 95% full") reports the
     # host's free disk, which no run of dhp causes or can silence; a CI host near full must not fail this test.
     output = proc.stdout + proc.stderr
-    noisy = [line for line in output.splitlines()
-             if re.search(r"\bERROR\b|\[\d{4}-\d\d-\d\d [\d:,]+ E \d+ \d+\]|DeprecationWarning", line)
-             and "file_system_monitor.cc" not in line]
+    noisy = [
+        line
+        for line in output.splitlines()
+        if re.search(r"\bERROR\b|\[\d{4}-\d\d-\d\d [\d:,]+ E \d+ \d+\]|DeprecationWarning", line)
+        and "file_system_monitor.cc" not in line
+    ]
     assert not noisy, noisy[:5]
     # What is placed where is printed at start: two ranks per pool, sharing bundles.
     assert "placement: shared" in proc.stdout and proc.stdout.count("vision rank") == 2
@@ -86,8 +111,9 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
     assert [e.step for e in board.Scalars("eval/loss")] == [50, 100]
     assert [e.step for e in board.Scalars("throughput/mfu")] == list(range(1, 101))
     # `dhp report` on the real run: plots and a table.
-    report = subprocess.run([sys.executable, "-m", "dhp.stages.cli", "report", str(run)], capture_output=True,
-                            text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "dhp.stages.cli", "report", str(run)], capture_output=True, text=True, timeout=300
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     assert re.search(r"^steps +100 \(step 1 to 100\)$", report.stdout, re.M) and "mean MFU" in report.stdout
     assert {p.name for p in (run / "report").iterdir()} == {"loss.png", "throughput.png", "pipeline.png"}
@@ -95,13 +121,34 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
 
 def test_hybrid_layout_runs_from_the_command_line(tmp_path):
     """sp2 vision x dp2, tp2 text x dp2 through the real loader (per-rank patch shards) and export."""
-    layout = ["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=2", "vision.num_cpus_per_actor=0.25",
-              "text.parallelism=tensor", "text.num_actors=4", "text.degree=2", "text.num_cpus_per_actor=0.25"]
-    cmd = [sys.executable, "-m", "dhp.stages.cli", "train", *layout, "training.steps=4", "training.eval_every=0",
-           f"output.dir={tmp_path}/runs", "output.name=hybrid", f"data.synthetic.dir={tmp_path}/synth",
-           "data.synthetic.num=64", "data.synthetic.eval_num=8", "training.eval_batches=1",
-           "pipeline.placement=disjoint", "pipeline.trace=true",
-           "ray.num_cpus=4"]  # logical CPUs: 8 stage actors + 3 loaders on this 2-core machine
+    layout = [
+        "vision.parallelism=sequence",
+        "vision.num_actors=4",
+        "vision.degree=2",
+        "vision.num_cpus_per_actor=0.25",
+        "text.parallelism=tensor",
+        "text.num_actors=4",
+        "text.degree=2",
+        "text.num_cpus_per_actor=0.25",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.stages.cli",
+        "train",
+        *layout,
+        "training.steps=4",
+        "training.eval_every=0",
+        f"output.dir={tmp_path}/runs",
+        "output.name=hybrid",
+        f"data.synthetic.dir={tmp_path}/synth",
+        "data.synthetic.num=64",
+        "data.synthetic.eval_num=8",
+        "training.eval_batches=1",
+        "pipeline.placement=disjoint",
+        "pipeline.trace=true",
+        "ray.num_cpus=4",
+    ]  # logical CPUs: 8 stage actors + 3 loaders on this 2-core machine
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "hybrid"

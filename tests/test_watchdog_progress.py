@@ -59,16 +59,22 @@ def _rank(call: str | None, still_s: float, where: str = "") -> dict:
 
 def test_judge_names_the_ranks_that_stand_still_in_a_call():
     w = 20.0
-    moving = [("vision", 0, _rank("forward", 0.1)), ("vision", 1, _rank("forward", 0.3)),
-              ("text", 0, _rank(None, 50.0))]  # text waits for its inputs: never the one that hangs
+    moving = [
+        ("vision", 0, _rank("forward", 0.1)),
+        ("vision", 1, _rank("forward", 0.3)),
+        ("text", 0, _rank(None, 50.0)),
+    ]  # text waits for its inputs: never the one that hangs
     v = judge(moving, w, waited_s=60.0)
     assert v.hung == [] and not v.idle_stall and v.wait_s == pytest.approx(w - 0.1)
     # One rank waits in a collective for a peer that computes: the pool moves, nobody hangs.
     v = judge([("vision", 0, _rank("sync_grads", 45.0)), ("vision", 1, _rank("forward", 2.0))], w, 60.0)
     assert v.hung == [] and v.wait_s == pytest.approx(w - 2.0)
     # Both stand still (one never joined the collective the other waits in): both named.
-    still = [("vision", 0, _rank("forward", 21.0, "block 1 attn.qkv forward")),
-             ("vision", 1, _rank("forward", 20.5, "block 1 attn.qkv forward")), ("text", 0, _rank(None, 25.0))]
+    still = [
+        ("vision", 0, _rank("forward", 21.0, "block 1 attn.qkv forward")),
+        ("vision", 1, _rank("forward", 20.5, "block 1 attn.qkv forward")),
+        ("text", 0, _rank(None, 25.0)),
+    ]
     assert [(s, r) for s, r, _ in judge(still, w, 60.0).hung] == [("vision", 0), ("vision", 1)]
     # Standing still counts from when the driver began to wait at the earliest, and a look comes back no sooner
     # than RECHECK_S.
@@ -97,13 +103,19 @@ def test_progress_hooks_count_blocks_and_leave_gradients_alone():
         embeds = vision(pixels, torch.tensor([[1, 4, 4]]))
         before = progress.count
         ids = torch.tensor([[1, 2] + [config.image_token_id] * 4 + [3, 4]])
-        loss = text(ids, embeds, torch.arange(8).expand(3, 1, 8).clone(), torch.ones_like(ids),
-                    torch.tensor([[IGNORE_INDEX] * 6 + [3, 4]]))
+        loss = text(
+            ids,
+            embeds,
+            torch.arange(8).expand(3, 1, 8).clone(),
+            torch.ones_like(ids),
+            torch.tensor([[IGNORE_INDEX] * 6 + [3, 4]]),
+        )
         loss.backward()
         grads.append([p.grad.clone() for p in [*vision.parameters(), *text.parameters()]])
         if watched:
-            modules = sum(next(m.parameters(recurse=False), None) is not None
-                          for b in vision.blocks() for m in b.modules())
+            modules = sum(
+                next(m.parameters(recurse=False), None) is not None for b in vision.blocks() for m in b.modules()
+            )
             assert before == modules == 4 * 7  # a pre-hook each: norm1, qkv, proj, norm2, gate, up, down
             assert progress.count > 3 * before  # the text blocks, then every gradient and the recomputations
             assert progress.where == "block 0 norm1 backward"  # the last: the first vision block's first module
@@ -141,9 +153,11 @@ class _FakeTrainer:
 
 def test_a_step_failing_the_same_way_after_a_restart_stops_the_run(tmp_path, monkeypatch):
     stuck = [("text", 0, "forward_backward")]
-    errors = [StepHung("step 3 ...: vision rank 1 stopped answering in forward", [("vision", 1, "forward")]),
-              StepHung("step 3 ...: text rank 0 stood still 30 s in forward_backward", stuck),
-              StepHung("step 3 ...: text rank 0 stood still 31 s in forward_backward", stuck)]
+    errors = [
+        StepHung("step 3 ...: vision rank 1 stopped answering in forward", [("vision", 1, "forward")]),
+        StepHung("step 3 ...: text rank 0 stood still 30 s in forward_backward", stuck),
+        StepHung("step 3 ...: text rank 0 stood still 31 s in forward_backward", stuck),
+    ]
     attempts = []
 
     def loop(cfg, trainer, run_dir, preemption, after_fault=False):
@@ -156,16 +170,26 @@ def test_a_step_failing_the_same_way_after_a_restart_stops_the_run(tmp_path, mon
     monkeypatch.setattr(dhp.stages.trainer, "Trainer", _FakeTrainer)
     monkeypatch.setattr(driver, "_loop", loop)
     monkeypatch.setattr(driver, "init_ray", lambda cfg: None)
-    cfg = load_config("tiny", [f"output.dir={tmp_path}", "output.name=run", f"data.synthetic.dir={tmp_path}/synth",
-                               "data.synthetic.num=4", "data.synthetic.eval_num=0", "training.max_restarts=5"])
+    cfg = load_config(
+        "tiny",
+        [
+            f"output.dir={tmp_path}",
+            "output.name=run",
+            f"data.synthetic.dir={tmp_path}/synth",
+            "data.synthetic.num=4",
+            "data.synthetic.eval_num=0",
+            "training.max_restarts=5",
+        ],
+    )
     with pytest.raises(driver.TrainingFailed) as failed:
         driver.train(cfg)
     # Another rank's hang at the same step is another fault (restarted); the same one again stops the run.
     assert attempts == [False, True, True]
     message = str(failed.value)
     assert "\n" not in message
-    assert message.startswith("step 3 failed the same way after restart 2, so it would again: a rank hung both "
-                              "times, at "), message
+    assert message.startswith(
+        "step 3 failed the same way after restart 2, so it would again: a rank hung both times, at "
+    ), message
     assert "stood still 30 s in forward_backward" in message and "stood still 31 s in forward_backward" in message
     assert "stopping instead of restarting up to training.max_restarts times" in message
 
@@ -185,8 +209,10 @@ def samples(tmp_path_factory) -> dict[str, dict]:
     out = {}
     for name, size in (("small", SMALL), ("big", BIG)):
         write_image(root / f"{name}.png", size, seed=len(out))
-        record = {"image": f"{name}.png", "conversations": [{"from": "human", "value": "<image>\nWhat is it?"},
-                                                            {"from": "gpt", "value": "Noise."}]}
+        record = {
+            "image": f"{name}.png",
+            "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "Noise."}],
+        }
         out[name] = decode_sample(pre({"source": "t", "record": json.dumps(record)})["sample"])
     return out
 
@@ -196,8 +222,17 @@ def pools(ray_session, samples):
     """A trainer of vision SP2 + one text actor, and its ordinary and its 20x-patches global batches."""
     from dhp.stages.trainer import Trainer
 
-    cfg = load_config("tiny", BASE + SP2 + ["training.step_timeout_min_s=1", "training.warmup_steps=1",
-                                            "vision.num_cpus_per_actor=0.1", "text.num_cpus_per_actor=0.1"])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + SP2
+        + [
+            "training.step_timeout_min_s=1",
+            "training.warmup_steps=1",
+            "vision.num_cpus_per_actor=0.1",
+            "text.num_cpus_per_actor=0.1",
+        ],
+    )
     trainer = Trainer(cfg)
     small = GlobalBatch([_microbatch([samples["small"]], cfg) for _ in range(2)], epoch=0)
     big = GlobalBatch([_microbatch([samples["big"]], cfg), _microbatch([samples["small"]], cfg)], epoch=0)
@@ -236,9 +271,11 @@ def test_a_step_of_20x_the_patches_completes(pools):
         trainer.clock.configured_s = window = max(1.0, big_s / 3)
         looks = trainer.clock.looks
         stats = trainer.train_step([big])
-        print(f"big step: {big_s:.2f} s against a median of {median:.2f} s; again with a {window:.2f} s window: "
-              f"{stats['step_time_s']:.2f} s, {trainer.clock.looks - looks} looks; deadlines (s, work ratio): "
-              f"{deadlines}")
+        print(
+            f"big step: {big_s:.2f} s against a median of {median:.2f} s; again with a {window:.2f} s window: "
+            f"{stats['step_time_s']:.2f} s, {trainer.clock.looks - looks} looks; deadlines (s, work ratio): "
+            f"{deadlines}"
+        )
         assert trainer.clock.looks > looks or stats["step_time_s"] < window
     finally:
         trainer.clock.start = start
@@ -266,8 +303,9 @@ def test_a_stopped_rank_is_named(pools):
     trainer.clock.stop()
     print(f"stopped rank: StepHung after {took:.1f} s: {hung}")
     assert hung.ranks == [("vision", 1, "forward")], str(hung)
-    assert str(hung).endswith(f"vision rank 1 (pid {pid}, node {trainer.where['vision'][1]['node_id'][:8]}) stopped "
-                              f"answering in forward")
+    assert str(hung).endswith(
+        f"vision rank 1 (pid {pid}, node {trainer.where['vision'][1]['node_id'][:8]}) stopped answering in forward"
+    )
     assert 2.0 <= took < 2.0 + watchdog.HEARTBEAT_S + 5
     ray.get([a.ping.remote() for _, pool in trainer.pools() for a in pool.actors])  # behind the step's calls
     trainer.optimizer_step()  # closes the step the driver gave up on
@@ -280,9 +318,13 @@ def test_a_rank_that_never_joins_a_collective_is_named(pools):
     the window. (Leaves the pools wedged: the last test.)"""
     trainer, small, _ = pools
     trainer.clock.configured_s = 2.0
-    ray.get(trainer.vision.actors[1].handle.__ray_call__.remote(
-        lambda worker: __import__("dhp.stages.fault_injection").stages.fault_injection.never_join(
-            "dhp.models.parallel.sequence_parallel", "all_to_all_single_autograd")))
+    ray.get(
+        trainer.vision.actors[1].handle.__ray_call__.remote(
+            lambda worker: __import__("dhp.stages.fault_injection").stages.fault_injection.never_join(
+                "dhp.models.parallel.sequence_parallel", "all_to_all_single_autograd"
+            )
+        )
+    )
     took, hung = _hang_s(trainer, small)
     print(f"rank that never joins: StepHung after {took:.1f} s: {hung}")
     assert hung.ranks == [("vision", 0, "forward"), ("vision", 1, "forward")], str(hung)

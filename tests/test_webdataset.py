@@ -63,7 +63,9 @@ def test_real_shard_becomes_one_conversation_per_photo(shard):
         record = json.loads(row["record"])
         assert row["skip"] == "" and row["image"] == members[key]["jpg"]
         assert record["image"] == f"{key}.jpg" and record["conversations"] == [
-            {"from": "human", "value": PROMPT}, {"from": "gpt", "value": members[key]["txt"].decode().strip()}]
+            {"from": "human", "value": PROMPT},
+            {"from": "gpt", "value": members[key]["txt"].decode().strip()},
+        ]
     by_field = shard_rows(LOCAL, str(shard), "x.tar", PROMPT, "caption")  # a field of {key}.json
     captions = [json.loads(r["record"])["conversations"][1]["value"] for r in by_field]
     assert captions == [json.loads(members[r["source"].split(":")[1]]["json"])["caption"].strip() for r in by_field]
@@ -96,16 +98,25 @@ def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
 
 def test_bad_members_are_counted_skips_naming_shard_and_key(shard, tmp_path):
     photo = next(iter(_members(shard).values()))["jpg"]
-    bad = _tar(tmp_path / "bad.tar", [
-        ("a.jpg", photo), ("a.txt", b"A good one."),
-        ("b.txt", b"No image."),
-        ("c.jpg", photo),
-        ("d.jpg", photo), ("d.txt", b"  \n"),
-        ("e.jpg", photo), ("e.txt", b"Stop here<|im_end|> and more"),
-        ("f.jpg", b"\xff\xd8 not a jpeg at all"), ("f.txt", b"Corrupt."),
-        ("g.jpg", photo[: len(photo) // 3]), ("g.txt", b"Truncated JPEG."),
-        ("h.png", photo), ("h.json", b'{"caption": "no such field here"}'),
-    ])
+    bad = _tar(
+        tmp_path / "bad.tar",
+        [
+            ("a.jpg", photo),
+            ("a.txt", b"A good one."),
+            ("b.txt", b"No image."),
+            ("c.jpg", photo),
+            ("d.jpg", photo),
+            ("d.txt", b"  \n"),
+            ("e.jpg", photo),
+            ("e.txt", b"Stop here<|im_end|> and more"),
+            ("f.jpg", b"\xff\xd8 not a jpeg at all"),
+            ("f.txt", b"Corrupt."),
+            ("g.jpg", photo[: len(photo) // 3]),
+            ("g.txt", b"Truncated JPEG."),
+            ("h.png", photo),
+            ("h.json", b'{"caption": "no such field here"}'),
+        ],
+    )
     pre = _preprocessor()
     got = {}
     for caption in ("txt", "cogvlm_caption"):
@@ -114,9 +125,15 @@ def test_bad_members_are_counted_skips_naming_shard_and_key(shard, tmp_path):
             got[(caption, out["source"])] = out["error"]
             assert out["error"] == "" or out["detail"], out
     assert {k[1]: v for k, v in got.items() if k[0] == "txt"} == {
-        "bad.tar:a": "", "bad.tar:b": "missing_image", "bad.tar:c": "missing_caption", "bad.tar:d": "empty_caption",
-        "bad.tar:e": "special_token_caption", "bad.tar:f": "corrupt_image", "bad.tar:g": "corrupt_image",
-        "bad.tar:h": "missing_caption"}
+        "bad.tar:a": "",
+        "bad.tar:b": "missing_image",
+        "bad.tar:c": "missing_caption",
+        "bad.tar:d": "empty_caption",
+        "bad.tar:e": "special_token_caption",
+        "bad.tar:f": "corrupt_image",
+        "bad.tar:g": "corrupt_image",
+        "bad.tar:h": "missing_caption",
+    }
     assert got[("cogvlm_caption", "bad.tar:h")] == "missing_caption"
 
     cut = tmp_path / "cut.tar"  # a shard cut mid-member: the samples before the cut are kept
@@ -150,7 +167,10 @@ def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
         (tmp_path / name).write_text("x")
     assert expand_paths(f"{tmp_path}/00*.tar") == [str(tmp_path / f"00{i}.tar") for i in range(3)]
     assert expand_paths(f"{tmp_path}/{{000..001}}.tar, {tmp_path}/notes.txt") == [
-        str(tmp_path / "000.tar"), str(tmp_path / "001.tar"), str(tmp_path / "notes.txt")]
+        str(tmp_path / "000.tar"),
+        str(tmp_path / "001.tar"),
+        str(tmp_path / "notes.txt"),
+    ]
     with pytest.raises(ConfigError, match="matches no file"):
         expand_paths(f"{tmp_path}/*.jsonl")
     cfg = load_config("tiny", [])
@@ -160,13 +180,34 @@ def test_paths_expand_braces_and_globs_and_pick_the_format(tmp_path):
         load_config("tiny", ["data.webdataset.prompt=Describe it."])
 
 
-def _loader(paths: list[str], replica: int, num_replicas: int, storage=None, batch: int = 8, repeat: bool = False,
-            seed: int | None = 0):
-    settings = PreprocessSettings("", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_seq_len=1024,
-                                  storage=storage, records=WebDataset(PROMPT, "txt"))
+def _loader(
+    paths: list[str],
+    replica: int,
+    num_replicas: int,
+    storage=None,
+    batch: int = 8,
+    repeat: bool = False,
+    seed: int | None = 0,
+):
+    settings = PreprocessSettings(
+        "",
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        max_seq_len=1024,
+        storage=storage,
+        records=WebDataset(PROMPT, "txt"),
+    )
     return loader_actor().remote(
-        paths, settings, architecture_config("tiny"), global_batch_size=batch, microbatch_tokens=1024, seed=seed,
-        repeat=repeat, replica=replica, num_replicas=num_replicas)
+        paths,
+        settings,
+        architecture_config("tiny"),
+        global_batch_size=batch,
+        microbatch_tokens=1024,
+        seed=seed,
+        repeat=repeat,
+        replica=replica,
+        num_replicas=num_replicas,
+    )
 
 
 def _cut(shard: Path, folder: Path, shards: int, per: int) -> list[str]:
@@ -176,7 +217,7 @@ def _cut(shard: Path, folder: Path, shards: int, per: int) -> list[str]:
     for s in range(shards):
         path = folder / f"{s:05d}.tar"
         with tarfile.open(path, "w") as tar:
-            for key, members in samples[s * per:(s + 1) * per]:
+            for key, members in samples[s * per : (s + 1) * per]:
                 for ext, data in members.items():
                     info = tarfile.TarInfo(f"{key}.{ext}")
                     info.size = len(data)
@@ -264,13 +305,29 @@ def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard
     s3_endpoint.upload(local, "pop", "laion")
     runs = {}
     for name, base in (("local", str(local)), ("s3", "s3://pop/laion")):
-        cfg = load_config("tiny", [
-            f"data.train={base}/{{0000..0001}}.tar", f"data.storage.endpoint_url={s3_endpoint.url}",
-            "data.webdataset.caption=caption", f"data.max_pixels={MAX_PIXELS}", "data.shuffle_seed=null",
-            "training.steps=2", "training.global_batch_size=4", "training.eval_every=0", "training.warmup_steps=1",
-            "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-            "text.parallelism=none", "text.num_actors=1", "text.degree=1",
-            f"output.dir={tmp_path}/runs", f"output.name={name}", "output.save_final_checkpoint=false"])
+        cfg = load_config(
+            "tiny",
+            [
+                f"data.train={base}/{{0000..0001}}.tar",
+                f"data.storage.endpoint_url={s3_endpoint.url}",
+                "data.webdataset.caption=caption",
+                f"data.max_pixels={MAX_PIXELS}",
+                "data.shuffle_seed=null",
+                "training.steps=2",
+                "training.global_batch_size=4",
+                "training.eval_every=0",
+                "training.warmup_steps=1",
+                "vision.parallelism=none",
+                "vision.num_actors=1",
+                "vision.degree=1",
+                "text.parallelism=none",
+                "text.num_actors=1",
+                "text.degree=1",
+                f"output.dir={tmp_path}/runs",
+                f"output.name={name}",
+                "output.save_final_checkpoint=false",
+            ],
+        )
         summary = train(cfg)
         run = tmp_path / "runs" / name
         runs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -292,12 +349,27 @@ def test_resumed_run_on_shards_equals_uninterrupted_run(ray_session, shard, tmp_
         shutil.copy(shard, tmp_path / name)
 
     def cfg(name: str):
-        return load_config("tiny", [
-            f"data.train={tmp_path}/{{0000..0001}}.tar", f"data.max_pixels={MAX_PIXELS}", "training.steps=4",
-            "training.checkpoint_every=2", "training.keep_last=0", "training.global_batch_size=4",
-            "training.eval_every=0", "training.warmup_steps=1", "vision.parallelism=none", "vision.num_actors=1",
-            "vision.degree=1", "text.parallelism=none", "text.num_actors=1", "text.degree=1",
-            f"output.dir={tmp_path}/runs", f"output.name={name}"])
+        return load_config(
+            "tiny",
+            [
+                f"data.train={tmp_path}/{{0000..0001}}.tar",
+                f"data.max_pixels={MAX_PIXELS}",
+                "training.steps=4",
+                "training.checkpoint_every=2",
+                "training.keep_last=0",
+                "training.global_batch_size=4",
+                "training.eval_every=0",
+                "training.warmup_steps=1",
+                "vision.parallelism=none",
+                "vision.num_actors=1",
+                "vision.degree=1",
+                "text.parallelism=none",
+                "text.num_actors=1",
+                "text.degree=1",
+                f"output.dir={tmp_path}/runs",
+                f"output.name={name}",
+            ],
+        )
 
     def losses(run: Path) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}

@@ -92,8 +92,9 @@ def test_both_naming_schemes_load(reference, tmp_path):
     load_stage_weights(vision, vision.hf_name, tmp_path, VISION)
     load_stage_weights(text, text.hf_name, tmp_path, TEXT)
     assert torch.equal(vision.visual.merger.mlp[2].weight, model.model.visual.merger.mlp[2].weight)
-    assert torch.equal(text.language_model.layers[1].mlp.down_proj.weight,
-                       model.model.language_model.layers[1].mlp.down_proj.weight)
+    assert torch.equal(
+        text.language_model.layers[1].mlp.down_proj.weight, model.model.language_model.layers[1].mlp.down_proj.weight
+    )
 
 
 def test_tied_embeddings_load_once(tmp_path):

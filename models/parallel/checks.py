@@ -35,14 +35,17 @@ def check_layout(cfg: Config, model_config=None) -> None:
 
     ft = FineTuning(cfg)
     if ft.lora is not None and not layout_class("text", cfg.text.parallelism).takes_lora:
-        raise ConfigError(f"text.train=lora is not available with text.parallelism={cfg.text.parallelism}: "
-                          f"use none or tensor")
+        raise ConfigError(
+            f"text.train=lora is not available with text.parallelism={cfg.text.parallelism}: use none or tensor"
+        )
     frozen = [f"{stage}.train={getattr(cfg, stage).train}" for stage in ("vision", "text") if ft.partial(stage)]
     if frozen and not cfg.model.path and not random_init(cfg.model.random_init).same_in_every_layout:
-        raise ConfigError(f"model.random_init={cfg.model.random_init} cannot be the frozen base of "
-                          f"{', '.join(frozen)}: a checkpoint holds only what trains and the base is rebuilt at "
-                          f"resume, which this init does not do the same under another layout or device; use "
-                          f"model.random_init=exact or model.path")
+        raise ConfigError(
+            f"model.random_init={cfg.model.random_init} cannot be the frozen base of "
+            f"{', '.join(frozen)}: a checkpoint holds only what trains and the base is rebuilt at "
+            f"resume, which this init does not do the same under another layout or device; use "
+            f"model.random_init=exact or model.path"
+        )
     for stage in ("vision", "text"):
         s = getattr(cfg, stage)
         try:

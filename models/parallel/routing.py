@@ -64,18 +64,21 @@ def slot_cap(num_text: int, num_vision: int) -> int:
     return -(-num_text // num_vision)
 
 
-def check_fan(num_vision: int, num_text: int, vision_lockstep: bool, text_lockstep: bool,
-              max_in_flight: int) -> str | None:
+def check_fan(
+    num_vision: int, num_text: int, vision_lockstep: bool, text_lockstep: bool, max_in_flight: int
+) -> str | None:
     """Why this fan cannot run (None if it can). A text pool in lockstep needs all Dt micro-batches of a
     slot encoded before the slot's call, i.e. ceil(Dt/Dv) graphs alive on a vision replica."""
     if num_vision < 1 or num_text < 1:
         return f"each pool needs at least one replica (vision {num_vision}, text {num_text})"
     need = slot_cap(num_text, num_vision)
     if text_lockstep and max_in_flight < need:
-        return (f"the text pool runs in lockstep (zero3): each of its steps takes one micro-batch from each of its "
-                f"{num_text} replicas, all encoded first, so each of the {num_vision} vision replicas holds up to "
-                f"{need} forward graphs: set pipeline.max_in_flight>={need}, or give the vision pool "
-                f"{slot_cap(num_text, max_in_flight)} or more replicas")
+        return (
+            f"the text pool runs in lockstep (zero3): each of its steps takes one micro-batch from each of its "
+            f"{num_text} replicas, all encoded first, so each of the {num_vision} vision replicas holds up to "
+            f"{need} forward graphs: set pipeline.max_in_flight>={need}, or give the vision pool "
+            f"{slot_cap(num_text, max_in_flight)} or more replicas"
+        )
     return None
 
 
@@ -91,8 +94,9 @@ def _lpt(keys: list[Key], patches: dict[Key, int], load: list[int], free: list[i
     return out
 
 
-def route(patches: list[list[int]], num_vision: int, vision_lockstep: bool, text_lockstep: bool,
-          max_in_flight: int) -> list[Call]:
+def route(
+    patches: list[list[int]], num_vision: int, vision_lockstep: bool, text_lockstep: bool, max_in_flight: int
+) -> list[Call]:
     """The submission order of one global batch. patches[t][i]: patches of text replica t's micro-batch i."""
     why = check_fan(num_vision, len(patches), vision_lockstep, text_lockstep, max_in_flight)
     if why:
@@ -102,8 +106,9 @@ def route(patches: list[list[int]], num_vision: int, vision_lockstep: bool, text
     ordered = sorted(cost, key=lambda k: (k[1], k[0]))  # key order: index first, then text replica
     # Text units: their slots of (replica, key) members.
     if text_lockstep:
-        text_units = [[tuple((t, (t, i) if i < len(patches[t]) else None) for t in range(num_text))
-                       for i in range(longest)]]
+        text_units = [
+            [tuple((t, (t, i) if i < len(patches[t]) else None) for t in range(num_text)) for i in range(longest)]
+        ]
     else:
         text_units = [[((t, (t, i)),) for i in range(len(patches[t]))] for t in range(num_text)]
     # Vision units: slots of (replica, key) members, in key order.
@@ -113,7 +118,7 @@ def route(patches: list[list[int]], num_vision: int, vision_lockstep: bool, text
         slots = []
         for group in groups:
             for start in range(0, len(group), num_vision):
-                chunk = _lpt(group[start:start + num_vision], cost, load, free=[1] * num_vision)
+                chunk = _lpt(group[start : start + num_vision], cost, load, free=[1] * num_vision)
                 where = {v: k for k, v in chunk.items()}
                 slots.append(tuple((v, where.get(v)) for v in range(num_vision)))
         vision_units = [slots]
@@ -162,8 +167,9 @@ def _merge(vision_units: list[list[tuple]], text_units: list[list[tuple]], max_i
     return calls
 
 
-def simulate_calls(calls: list[Call], forward_s: float, text_s: float, backward_s: float,
-                   resources: Any = None) -> tuple[float, dict[Any, float]]:
+def simulate_calls(
+    calls: list[Call], forward_s: float, text_s: float, backward_s: float, resources: Any = None
+) -> tuple[float, dict[Any, float]]:
     """Best-case makespan of `calls` (seconds per call of each kind, padding included; no transfers), and
     each resource's busy seconds: each replica runs its calls in list order, one at a time, a lockstep call
     on all its members at once; a call starts when its resources are free and its inputs exist
@@ -175,8 +181,9 @@ def simulate_calls(calls: list[Call], forward_s: float, text_s: float, backward_
     ends: dict[tuple[str, Key], float] = {}
     for call in calls:
         actors = resources(call) if resources else [(call.stage, r) for r, _ in call.members]
-        ready = max([ends[(DEPENDS_ON[call.kind], k)] for k in call.keys()] if call.kind in DEPENDS_ON else [],
-                    default=0.0)
+        ready = max(
+            [ends[(DEPENDS_ON[call.kind], k)] for k in call.keys()] if call.kind in DEPENDS_ON else [], default=0.0
+        )
         end = max([ready] + [free.get(a, 0.0) for a in actors]) + cost[call.kind]
         free.update((a, end) for a in actors)
         busy.update((a, busy.get(a, 0.0) + cost[call.kind]) for a in set(actors))

@@ -54,8 +54,10 @@ def gather_sliced(shards: list[dict[str, torch.Tensor]], slicer) -> dict[str, to
             out[name] = first.clone()
             continue
         parts = [idx if isinstance(idx, list) else [idx] for idx in idxs]
-        shape = [n if parts[0][0][d] == slice(None) else max(p[d].stop for ps in parts for p in ps)
-                 for d, n in enumerate(first.shape)]
+        shape = [
+            n if parts[0][0][d] == slice(None) else max(p[d].stop for ps in parts for p in ps)
+            for d, n in enumerate(first.shape)
+        ]
         out[name] = first.new_empty(shape)
         for shard, idx in zip(shards, idxs):  # a replicated KV head is written once per holder
             write_part(out[name], idx, shard[name])

@@ -103,8 +103,13 @@ def vision_forward_flops_estimate(vc: Any, patches: int, images: int) -> float:
 
 def _text_dims(tc: Any) -> tuple[int, int, int, int, int]:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    return tc.hidden_size, tc.intermediate_size, tc.num_attention_heads * head_dim, \
-        tc.num_key_value_heads * head_dim, tc.num_hidden_layers
+    return (
+        tc.hidden_size,
+        tc.intermediate_size,
+        tc.num_attention_heads * head_dim,
+        tc.num_key_value_heads * head_dim,
+        tc.num_hidden_layers,
+    )
 
 
 def text_linear_flops_per_token(tc: Any) -> float:
@@ -193,5 +198,9 @@ def actor_peak(worker: Any, dtype: str = "float32") -> dict[str, Any]:
         tflops = measure_matmul_tflops(device, "bfloat16")
         return {"device": name, "gpu": True, "tflops": tflops, "source": "measured bf16 matmul"}
     threads = torch.get_num_threads()
-    return {"device": f"cpu ({threads} thread{'s' * (threads > 1)})", "gpu": False,
-            "tflops": measure_matmul_tflops("cpu", dtype), "source": f"measured {dtype} matmul"}
+    return {
+        "device": f"cpu ({threads} thread{'s' * (threads > 1)})",
+        "gpu": False,
+        "tflops": measure_matmul_tflops("cpu", dtype),
+        "source": f"measured {dtype} matmul",
+    }

@@ -71,8 +71,11 @@ class Profile:
 
     def rate(self, kind: str) -> float:
         """Achieved FLOP/s of `matmul`, `attention` or `window_attention`, efficiency applied."""
-        peak = {"matmul": self.matmul_tflops, "attention": self.attention_tflops,
-                "window_attention": self.window_attention_tflops}[kind]
+        peak = {
+            "matmul": self.matmul_tflops,
+            "attention": self.attention_tflops,
+            "window_attention": self.window_attention_tflops,
+        }[kind]
         eff = self.efficiency.get("attention" if "attention" in kind else "matmul", 1.0)
         return peak * eff * 1e12
 
@@ -127,8 +130,12 @@ class Profile:
     def comm_rate(self, collective: str, nodes: int = 1) -> float:
         """Bytes/s one rank sends in `collective` (all_reduce, all_gather, all_to_all), efficiency applied;
         a group spanning nodes runs at the inter-node rate."""
-        bw = self.inter_gbps if nodes > 1 else {
-            "all_to_all": self.all_to_all_gbps, "all_gather": self.all_gather_gbps}.get(collective) or self.intra_gbps
+        bw = (
+            self.inter_gbps
+            if nodes > 1
+            else {"all_to_all": self.all_to_all_gbps, "all_gather": self.all_gather_gbps}.get(collective)
+            or self.intra_gbps
+        )
         return bw * 1e9 * self.efficiency.get("comm", 1.0)
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,17 +158,59 @@ def _loglinear(pts: list[list[float]], x: float) -> float:
 # InfiniBand per 8 GPUs for H100/H200, 8 x 200 Gb/s for A100, 4 x 100 Gb/s Ethernet for an L40S node).
 # Attention peaks are the matmul peak (flash attention runs on the same tensor cores); windows of 64
 # tokens are small tiles: a quarter of it. Kernel launch ~6 us; a Ray actor call ~1 ms.
-_GPU_COMMON = dict(kind="gpu", devices_per_node=8, op_latency_s=6e-6, collective_latency_s=25e-6,
-                   call_latency_s=1e-3, object_store_gbps=5.0)
+_GPU_COMMON = dict(
+    kind="gpu",
+    devices_per_node=8,
+    op_latency_s=6e-6,
+    collective_latency_s=25e-6,
+    call_latency_s=1e-3,
+    object_store_gbps=5.0,
+)
 DATASHEETS: dict[str, dict[str, Any]] = {
-    "h100-sxm": dict(_GPU_COMMON, memory_gib=80, matmul_tflops=989.0, attention_tflops=989.0,
-                     window_attention_tflops=247.0, memory_gbps=3350, intra_gbps=450, inter_gbps=50, h2d_gbps=55),
-    "h200": dict(_GPU_COMMON, memory_gib=141, matmul_tflops=989.0, attention_tflops=989.0,
-                 window_attention_tflops=247.0, memory_gbps=4800, intra_gbps=450, inter_gbps=50, h2d_gbps=55),
-    "a100-80gb": dict(_GPU_COMMON, memory_gib=80, matmul_tflops=312.0, attention_tflops=312.0,
-                      window_attention_tflops=78.0, memory_gbps=2039, intra_gbps=300, inter_gbps=25, h2d_gbps=25),
-    "l40s": dict(_GPU_COMMON, memory_gib=48, matmul_tflops=362.0, attention_tflops=362.0,
-                 window_attention_tflops=90.0, memory_gbps=864, intra_gbps=25, inter_gbps=6.25, h2d_gbps=25),
+    "h100-sxm": dict(
+        _GPU_COMMON,
+        memory_gib=80,
+        matmul_tflops=989.0,
+        attention_tflops=989.0,
+        window_attention_tflops=247.0,
+        memory_gbps=3350,
+        intra_gbps=450,
+        inter_gbps=50,
+        h2d_gbps=55,
+    ),
+    "h200": dict(
+        _GPU_COMMON,
+        memory_gib=141,
+        matmul_tflops=989.0,
+        attention_tflops=989.0,
+        window_attention_tflops=247.0,
+        memory_gbps=4800,
+        intra_gbps=450,
+        inter_gbps=50,
+        h2d_gbps=55,
+    ),
+    "a100-80gb": dict(
+        _GPU_COMMON,
+        memory_gib=80,
+        matmul_tflops=312.0,
+        attention_tflops=312.0,
+        window_attention_tflops=78.0,
+        memory_gbps=2039,
+        intra_gbps=300,
+        inter_gbps=25,
+        h2d_gbps=25,
+    ),
+    "l40s": dict(
+        _GPU_COMMON,
+        memory_gib=48,
+        matmul_tflops=362.0,
+        attention_tflops=362.0,
+        window_attention_tflops=90.0,
+        memory_gbps=864,
+        intra_gbps=25,
+        inter_gbps=6.25,
+        h2d_gbps=25,
+    ),
 }
 
 FITTED = Path(__file__).resolve().parents[2] / "docs" / "results" / "time_model_fit.json"
@@ -192,22 +241,34 @@ def from_measurement(raw: dict[str, Any], source: str, **overrides: Any) -> Prof
     """A `dhp bench ops` result (its JSON object) as a Profile."""
     h2d = raw.get("h2d_gbps") or raw["memory_gbps"] / 2
     fields = dict(
-        name=raw["name"], kind=raw["kind"], devices_per_node=int(raw["devices_per_node"]),
-        memory_gib=float(raw["memory_gib"]), matmul_tflops=raw["matmul_tflops"],
-        attention_tflops=raw["attention_tflops"], window_attention_tflops=raw["window_attention_tflops"],
-        memory_gbps=raw["memory_gbps"], intra_gbps=raw.get("all_reduce_gbps") or h2d,
-        inter_gbps=raw.get("all_reduce_gbps") or h2d, h2d_gbps=h2d,
-        object_store_gbps=raw.get("object_store_gbps") or h2d, op_latency_s=raw["op_latency_s"],
-        collective_latency_s=raw.get("collective_latency_s") or 0.0, call_latency_s=raw.get("call_latency_s") or 0.0,
-        matmul_by_size=raw.get("matmul_by_size", []), all_to_all_gbps=raw.get("all_to_all_gbps"),
-        all_gather_gbps=raw.get("all_gather_gbps"), efficiency=dict(raw.get("efficiency") or {}),
+        name=raw["name"],
+        kind=raw["kind"],
+        devices_per_node=int(raw["devices_per_node"]),
+        memory_gib=float(raw["memory_gib"]),
+        matmul_tflops=raw["matmul_tflops"],
+        attention_tflops=raw["attention_tflops"],
+        window_attention_tflops=raw["window_attention_tflops"],
+        memory_gbps=raw["memory_gbps"],
+        intra_gbps=raw.get("all_reduce_gbps") or h2d,
+        inter_gbps=raw.get("all_reduce_gbps") or h2d,
+        h2d_gbps=h2d,
+        object_store_gbps=raw.get("object_store_gbps") or h2d,
+        op_latency_s=raw["op_latency_s"],
+        collective_latency_s=raw.get("collective_latency_s") or 0.0,
+        call_latency_s=raw.get("call_latency_s") or 0.0,
+        matmul_by_size=raw.get("matmul_by_size", []),
+        all_to_all_gbps=raw.get("all_to_all_gbps"),
+        all_gather_gbps=raw.get("all_gather_gbps"),
+        efficiency=dict(raw.get("efficiency") or {}),
         attention_head_dim=int(raw.get("attention_head_dim") or 128),
         attention_by_head_dim=raw.get("attention_by_head_dim", []),
         causal_attention_tflops=raw.get("causal_attention_tflops"),
         attention_backward_ratio=raw.get("attention_backward_ratio") or 2.0,
-        optimizer_s_per_param=raw.get("optimizer_s_per_param"), memory_passes=int(raw.get("memory_passes", 4)),
+        optimizer_s_per_param=raw.get("optimizer_s_per_param"),
+        memory_passes=int(raw.get("memory_passes", 4)),
         **{f"{k}_by_size": raw.get(f"{k}_by_size") or [] for k in ("all_reduce", "all_gather", "all_to_all")},
-        zero3_unit_s=raw.get("zero3_unit_s"), zero3_s_per_byte=raw.get("zero3_s_per_byte"),
+        zero3_unit_s=raw.get("zero3_unit_s"),
+        zero3_s_per_byte=raw.get("zero3_s_per_byte"),
         zero3_optimizer_s_per_tensor=raw.get("zero3_optimizer_s_per_tensor") or 0.0,
         zero1_step_s_per_tensor=raw.get("zero1_step_s_per_tensor") or 0.0,
         source=source,

@@ -63,8 +63,7 @@ class RankPlan:
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.optimizer_step_temp + self.activations
-                + self.transients)
+        return self.params + self.grads + self.optimizer + self.optimizer_step_temp + self.activations + self.transients
 
     def row(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
@@ -99,8 +98,9 @@ def activation_bytes_per_element(cfg: Any, stage: str) -> int:
     return 2 if pure or (on_gpu and compute == "bfloat16") else 4
 
 
-def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0,
-                      fine_tuning: Any = None) -> dict[str, int]:
+def model_state_bytes(
+    layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0, fine_tuning: Any = None
+) -> dict[str, int]:
     """Parameter, gradient and AdamW bytes rank `rank` holds (the layout's elements, the precision's bytes),
     and torch's foreach-AdamW temporary while it steps (one moment of that share). With `fine_tuning`
     (models/fine_tuning.py: the plan's case) gradients and moments only for what trains, and the moments of
@@ -114,8 +114,12 @@ def model_state_bytes(layout: Any, precision: Any, shapes: dict[str, tuple[int, 
     else:
         moments = zero1_largest(layout, [(n, held[n], len(shapes[n])) for n in trained if held[n]], fine_tuning)
     moments *= precision.optimizer_bytes
-    return {"params": sum(held.values()) * precision.param_bytes, "grads": grads * precision.grad_bytes,
-            "optimizer": round(moments), "optimizer_step_temp": round(moments / 2)}
+    return {
+        "params": sum(held.values()) * precision.param_bytes,
+        "grads": grads * precision.grad_bytes,
+        "optimizer": round(moments),
+        "optimizer_step_temp": round(moments / 2),
+    }
 
 
 def zero1_largest(layout: Any, trained: list[tuple[str, int, int]], fine_tuning: Any) -> float:
@@ -150,8 +154,16 @@ def held_numel(layout: Any, shapes: dict, rank: int) -> int:
     return sum(held_numels(layout, shapes, rank).values())
 
 
-def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0, frozen: bool = False,
-                     lora: Any = None, mask_bytes: int = 1) -> tuple[float, float]:
+def text_activations(
+    t: Any,
+    tokens: int,
+    tp: int,
+    b: int,
+    recomputed: int = 0,
+    frozen: bool = False,
+    lora: Any = None,
+    mask_bytes: int = 1,
+) -> tuple[float, float]:
     """(bytes the decoder keeps for backward at the end of its forward, one layer's share) for `tokens`
     tokens at TP degree `tp`, `b` bytes per element, `recomputed` layers checkpointed: the per-token count
     of this module's docstring. `frozen`: the weights take no gradient (text.train none or lora), only the
@@ -171,8 +183,9 @@ def text_activations(t: Any, tokens: int, tp: int, b: int, recomputed: int = 0, 
     return kept, per_layer
 
 
-def frozen_layer_bytes(h: int, i: int, n: int, kv: int, tp: int, b: int, lora: Any = None,
-                       mask_bytes: int = 1) -> float:
+def frozen_layer_bytes(
+    h: int, i: int, n: int, kv: int, tp: int, b: int, lora: Any = None, mask_bytes: int = 1
+) -> float:
     """Bytes per token a decoder layer with frozen weights keeps so that the gradient reaches its input: a
     Linear keeps nothing (its input serves only its weight's gradient), an RMSNorm its input and rsqrt (fp32),
     attention what SDPA saves (q, k, v, output, logsumexp), the MLP gate, act(gate) and up. LoRA factors
@@ -217,9 +230,16 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
             return layout.merger_activation_bytes(shape, size, b), block
         return layout.vit_activation_bytes(shape, size, b, len(ac.chosen(shape.depth))), block
     t = model_config.text_config
-    return text_activations(t, size, layout.degree, b, len(ac.chosen(t.num_hidden_layers)),
-                            frozen=not ft.groups["text"].trains or ft.lora is not None, lora=ft.lora,
-                            mask_bytes=1 if s.num_gpus_per_actor > 0 else b)
+    return text_activations(
+        t,
+        size,
+        layout.degree,
+        b,
+        len(ac.chosen(t.num_hidden_layers)),
+        frozen=not ft.groups["text"].trains or ft.lora is not None,
+        lora=ft.lora,
+        mask_bytes=1 if s.num_gpus_per_actor > 0 else b,
+    )
 
 
 def vision_graphs(cfg: Any) -> int:
@@ -256,9 +276,15 @@ def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | No
         largest_unit = max(sum(p.numel() for p in u.parameters()) for u in module.shard_units())
         transients += 2 * largest_unit * prec.param_bytes
     return RankPlan(
-        stage=stage, layout=s.parallelism, degree=s.degree, num_actors=s.num_actors, precision=prec.name,
-        activation_checkpointing=s.activation_checkpointing, **model_state_bytes(layout, prec, shapes, 0, ft),
-        activations=round(activations), transients=round(transients),
+        stage=stage,
+        layout=s.parallelism,
+        degree=s.degree,
+        num_actors=s.num_actors,
+        precision=prec.name,
+        activation_checkpointing=s.activation_checkpointing,
+        **model_state_bytes(layout, prec, shapes, 0, ft),
+        activations=round(activations),
+        transients=round(transients),
     )
 
 
@@ -297,20 +323,29 @@ def stage_shapes(model_config: Any, stage: str, lora: Any = None, _cache: dict =
     return _cache[key][1]
 
 
-def plan(cfg: Any, model_config: Any, gpu_memory_gib: float | None = None,
-         vision_patches: int | None = None) -> dict[str, Any]:
+def plan(
+    cfg: Any, model_config: Any, gpu_memory_gib: float | None = None, vision_patches: int | None = None
+) -> dict[str, Any]:
     """Both pools' rank plans, the per-GPU total (both pools' ranks under shared placement of fractional
     GPUs), the device it is compared with, and whether it fits."""
-    ranks = {stage: stage_plan(cfg, model_config, stage, vision_patches if stage == "vision" else None)
-             for stage in ("vision", "text")}
-    shared = cfg.pipeline.shared and all(
-        0 < getattr(cfg, s).num_gpus_per_actor < 1 for s in ("vision", "text"))
-    per_device = (ranks["vision"].total + ranks["text"].total if shared
-                  else max(ranks["vision"].total, ranks["text"].total))
+    ranks = {
+        stage: stage_plan(cfg, model_config, stage, vision_patches if stage == "vision" else None)
+        for stage in ("vision", "text")
+    }
+    shared = cfg.pipeline.shared and all(0 < getattr(cfg, s).num_gpus_per_actor < 1 for s in ("vision", "text"))
+    per_device = (
+        ranks["vision"].total + ranks["text"].total if shared else max(ranks["vision"].total, ranks["text"].total)
+    )
     device, source = device_memory(cfg, gpu_memory_gib)
     fits = None if device is None else per_device <= MARGIN * device
-    return {"ranks": ranks, "shared": shared, "per_device": per_device, "device": device, "device_source": source,
-            "fits": fits}
+    return {
+        "ranks": ranks,
+        "shared": shared,
+        "per_device": per_device,
+        "device": device,
+        "device_source": source,
+        "fits": fits,
+    }
 
 
 def _can_double(cfg: Any, model_config: Any, stage: str) -> bool:
@@ -339,8 +374,10 @@ def advice(cfg: Any, result: dict[str, Any], model_config: Any) -> list[str]:
     current = precision_of(cfg.model.precision)
     cheapest = min(PRECISIONS.values(), key=lambda p: p.bytes_per_param)
     if current.bytes_per_param > cheapest.bytes_per_param:
-        out.append(f"model.precision={cheapest.name} ({cheapest.bytes_per_param} instead of "
-                   f"{current.bytes_per_param} bytes per parameter)")
+        out.append(
+            f"model.precision={cheapest.name} ({cheapest.bytes_per_param} instead of "
+            f"{current.bytes_per_param} bytes per parameter)"
+        )
     for stage in ("text", "vision"):
         if _can_double(cfg, model_config, stage):
             s = getattr(cfg, stage)
@@ -374,19 +411,27 @@ def _fine_tuning_advice(cfg: Any, result: dict[str, Any], model_config: Any) -> 
             continue
         less = plan(other, model_config, gpu)["per_device"]
         if less < result["per_device"]:
-            out.append(f"{stage}.train={choice} (fine-tuning: {less / GIB:.1f} GiB per device instead of "
-                       f"{result['per_device'] / GIB:.1f})")
+            out.append(
+                f"{stage}.train={choice} (fine-tuning: {less / GIB:.1f} GiB per device instead of "
+                f"{result['per_device'] / GIB:.1f})"
+            )
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     cols = ("params", "grads", "optimizer", "optimizer_step_temp", "activations", "transients")
-    lines = ["| pool | layout | precision | checkpointing | params | grads | AdamW | step temp | activations "
-             "| transients | total / rank |", "|---|---|---|---|" + "---:|" * 7]
+    lines = [
+        "| pool | layout | precision | checkpointing | params | grads | AdamW | step temp | activations "
+        "| transients | total / rank |",
+        "|---|---|---|---|" + "---:|" * 7,
+    ]
     for stage, r in result["ranks"].items():
-        lines.append(f"| {stage} | {r.layout} {r.degree} x {r.num_actors // r.degree} | {r.precision} | "
-                     f"{r.activation_checkpointing} | " + " | ".join(f"{getattr(r, c) / GIB:.2f}" for c in cols)
-                     + f" | {r.total / GIB:.2f} |")
+        lines.append(
+            f"| {stage} | {r.layout} {r.degree} x {r.num_actors // r.degree} | {r.precision} | "
+            f"{r.activation_checkpointing} | "
+            + " | ".join(f"{getattr(r, c) / GIB:.2f}" for c in cols)
+            + f" | {r.total / GIB:.2f} |"
+        )
     per = result["per_device"] / GIB
     how = "vision + text ranks sharing one GPU" if result["shared"] else "the larger rank"
     if result["device"] is None:
@@ -394,6 +439,8 @@ def table(result: dict[str, Any]) -> str:
     else:
         dev = result["device"] / GIB
         word = "fits" if result["fits"] else "DOES NOT FIT"
-        verdict = (f"per device: {per:.2f} GiB ({how}) of {dev:.0f} GiB ({result['device_source']}; "
-                   f"{MARGIN:.0%} usable): {word}")
+        verdict = (
+            f"per device: {per:.2f} GiB ({how}) of {dev:.0f} GiB ({result['device_source']}; "
+            f"{MARGIN:.0%} usable): {word}"
+        )
     return "\n".join(lines) + f"\n\nGiB. {verdict}"

@@ -63,8 +63,16 @@ VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attenti
 TEXT_LAYER_OPS = 36  # per decoder layer forward (fp32 RMSNorms are several kernels each)
 BACKWARD_OPS = 2  # backward kernels per forward kernel
 # The parts a real module's speed stands behind (what `dhp bench ops` times on real stages, scripts/bench/ops_stages.py)
-COMPUTE_PARTS = ("linear", "window_attention", "full_attention", "attention", "lm_head", "kernels", "memory",
-                 "recompute")
+COMPUTE_PARTS = (
+    "linear",
+    "window_attention",
+    "full_attention",
+    "attention",
+    "lm_head",
+    "kernels",
+    "memory",
+    "recompute",
+)
 
 
 @dataclass
@@ -177,8 +185,14 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
     bwd.scale_compute(prof.efficiency.get("vision_backward", 1.0))
     if layout.spans_pool:  # ZeRO-3 gathers each unit forward and backward, reduce-scatters its gradients
         rate = prof.comm_rate("all_gather", _nodes_spanned(layout.num_actors, prof))
-        f, g = _zero3_s(prof, cfg, mc, "vision", layout.vit_grad_sync_bytes(shape, b) / rate,
-                        backward_of=None if blocks_train else ft.trainable)
+        f, g = _zero3_s(
+            prof,
+            cfg,
+            mc,
+            "vision",
+            layout.vit_grad_sync_bytes(shape, b) / rate,
+            backward_of=None if blocks_train else ft.trainable,
+        )
         _overlap(fwd, f, prof)
         _overlap(bwd, g, prof)
     boundary = _boundary_s(cfg, mc, prof, p // 4)
@@ -262,8 +276,9 @@ def _trained(cfg: Any, mc: Any, layout: Any, stage: str) -> tuple[int, int]:
     return sum(trained), len(trained)
 
 
-def _zero3_s(prof: Profile, cfg: Any, mc: Any, stage: str, bytes_model_s: float,
-             backward_of: Callable[[str], bool] | None = None) -> tuple[float, float]:
+def _zero3_s(
+    prof: Profile, cfg: Any, mc: Any, stage: str, bytes_model_s: float, backward_of: Callable[[str], bool] | None = None
+) -> tuple[float, float]:
     """(forward, backward) seconds of ZeRO-3's work on one call: where the profile measured FSDP2 (gloo), per
     unit (the stage's shard units and the root) and per parameter byte; else the bytes' model: a third (the
     forward's all-gathers) and two thirds (the backward's all-gathers and reduce-scatters) of `bytes_model_s`.
@@ -360,25 +375,33 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     m = -(-per_text // samples)
     fwd, bwd = vision_calls(cfg, mc, prof, w)
     text = text_call(cfg, mc, prof, w)
-    calls = route([[w.image_patches * samples] * m for _ in range(dt)], dv, vl.lockstep, tl.lockstep,
-                  cfg.pipeline.max_in_flight)
+    calls = route(
+        [[w.image_patches * samples] * m for _ in range(dt)], dv, vl.lockstep, tl.lockstep, cfg.pipeline.max_in_flight
+    )
     v_dev, t_dev = _devices(cfg, prof)
 
     def resources(call: Any) -> list[Any]:
         layout, dev = (vl, v_dev) if call.stage == "vision" else (tl, t_dev)
-        return sorted({dev(rank) for r, _ in call.members for rank in layout.state_ranks(r)[:layout.degree]}
-                      if not layout.spans_pool else {dev(r) for r, _ in call.members})
+        return sorted(
+            {dev(rank) for r, _ in call.members for rank in layout.state_ranks(r)[: layout.degree]}
+            if not layout.spans_pool
+            else {dev(r) for r, _ in call.members}
+        )
 
     makespan, busy = simulate_calls(calls, fwd.total, text.total, bwd.total, resources)
     extras = {stage: step_extras(cfg, mc, prof, stage) for stage in ("vision", "text")}
     shared = prof.kind == "cpu" or cfg.pipeline.shared
-    tail = {k: (extras["vision"][k] + extras["text"][k]) if shared else max(extras["vision"][k], extras["text"][k])
-            for k in ("grad_sync", "optimizer")}
+    tail = {
+        k: (extras["vision"][k] + extras["text"][k]) if shared else max(extras["vision"][k], extras["text"][k])
+        for k in ("grad_sync", "optimizer")
+    }
     step = makespan + sum(tail.values())
     parts: dict[str, float] = {}
     units = {"vision": 1 if vl.lockstep else dv, "text": 1 if tl.lockstep else dt}  # calls spread over these
-    n_calls = {"vision": sum(c.stage == "vision" for c in calls) / 2 / units["vision"],
-               "text": sum(c.stage == "text" for c in calls) / units["text"]}
+    n_calls = {
+        "vision": sum(c.stage == "vision" for c in calls) / 2 / units["vision"],
+        "text": sum(c.stage == "text" for c in calls) / units["text"],
+    }
     for stage, costs in (("vision", (fwd, bwd)), ("text", (text,))):
         for c in costs:
             for part, sec in c.parts.items():
@@ -389,9 +412,17 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     bubble = makespan - max(busy.values(), default=0.0)
     patches = cfg.training.global_batch_size * w.image_patches
     return {
-        "step_s": step, "vision_tokens_per_s": patches / step, "global_batch_size": cfg.training.global_batch_size,
-        "makespan_s": makespan, "bubble_s": bubble, "tail_s": tail, "microbatches_per_text_replica": m,
-        "samples_per_microbatch": samples, "per_call_s": {"vision_forward": fwd.total, "text": text.total,
-                                                         "vision_backward": bwd.total},
-        "parts_s": parts, "profile": prof.name, "image_patches": w.image_patches, "text_tokens": w.text_tokens,
+        "step_s": step,
+        "vision_tokens_per_s": patches / step,
+        "global_batch_size": cfg.training.global_batch_size,
+        "makespan_s": makespan,
+        "bubble_s": bubble,
+        "tail_s": tail,
+        "microbatches_per_text_replica": m,
+        "samples_per_microbatch": samples,
+        "per_call_s": {"vision_forward": fwd.total, "text": text.total, "vision_backward": bwd.total},
+        "parts_s": parts,
+        "profile": prof.name,
+        "image_patches": w.image_patches,
+        "text_tokens": w.text_tokens,
     }

@@ -83,8 +83,10 @@ def export_hf(
                 hf = HF_NAME[stage](name)
                 if stage == "text" and config.tie_word_embeddings and hf == "lm_head.weight":
                     continue  # stored once, under the embedding
-                metas = [{name: torch.empty(h.entries[name].shape, dtype=h.entries[name].dtype, device="meta")}
-                         for h in handles]
+                metas = [
+                    {name: torch.empty(h.entries[name].shape, dtype=h.entries[name].dtype, device="meta")}
+                    for h in handles
+                ]
                 entry = Entry(hf, tuple(layout.gather(metas)[name].shape), handles[0].entries[name].dtype)
                 sources[hf] = (layout, ranks, handles, name)
                 if is_lora_factor(name):
@@ -116,15 +118,23 @@ def export_hf(
     return weight_map
 
 
-def _base_entries(ckpt_dir: Path, base: dict[str, Any], stage: str, config: Any, sources: dict, entries: list[Entry],
-                  from_base: dict[str, tuple[SafetensorsReader, str]]) -> list[SafetensorsReader]:
+def _base_entries(
+    ckpt_dir: Path,
+    base: dict[str, Any],
+    stage: str,
+    config: Any,
+    sources: dict,
+    entries: list[Entry],
+    from_base: dict[str, tuple[SafetensorsReader, str]],
+) -> list[SafetensorsReader]:
     """Add to `entries` / `from_base` the tensors of `stage` that its rank files do not hold, from the base
     checkpoint; returns the readers it opened."""
     if not base.get("path"):
         raise ValueError(
             f"{ckpt_dir} holds only the trained tensors of the {stage} stage and its base is a seeded random init "
             f"(model.init_seed={base.get('init_seed')}), which export cannot read: export the run's final model "
-            f"(RUN_DIR/checkpoint) instead, or train from a saved base (model.path)")
+            f"(RUN_DIR/checkpoint) instead, or train from a saved base (model.path)"
+        )
     prefixes = (VisionModel if stage == "vision" else TextModel).checkpoint_prefixes
     opened: dict[Path, SafetensorsReader] = {}
     for hf, (file, stored) in sorted(checkpoint_index(base["path"]).items()):
@@ -159,11 +169,24 @@ def write_adapter(out: Path, factors: dict[str, torch.Tensor], lora: dict[str, A
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({f"base_model.model.{name}": t.contiguous() for name, t in factors.items()},
-              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {f"base_model.model.{name}": t.contiguous() for name, t in factors.items()},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     targets = [t.strip() for t in lora["targets"].split(",") if t.strip()]
-    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": base, "r": lora["rank"],
-              "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"], "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
-              "target_modules": rf".*language_model\.layers\.\d+\..*\.({'|'.join(targets)})"}
+    config = {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base,
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "target_modules": rf".*language_model\.layers\.\d+\..*\.({'|'.join(targets)})",
+    }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=1))

@@ -36,13 +36,30 @@ from dhp.models.weights.hf_checkpoint import INDEX_FILE
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' default
 CHUNK_BYTES = 16 * 2**20  # reading a strided part: rows at a time through a buffer this large
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 DTYPE_OF = {v: k for k, v in _DTYPES.items()}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -106,9 +123,7 @@ class SafetensorsReader:
         header = json.loads(self._file.read(n))
         header.pop("__metadata__", None)
         self._base = 8 + n
-        self.entries = {
-            name: Entry(name, tuple(h["shape"]), DTYPE_OF[h["dtype"]]) for name, h in header.items()
-        }
+        self.entries = {name: Entry(name, tuple(h["shape"]), DTYPE_OF[h["dtype"]]) for name, h in header.items()}
         self._offsets = {name: h["data_offsets"][0] for name, h in header.items()}
 
     def keys(self) -> list[str]:
@@ -122,8 +137,10 @@ class SafetensorsReader:
         rows = target.shape[0] if target.ndim else 1
         row_bytes = math.prod(e.shape[1:]) * e.dtype.itemsize  # a 0-dim tensor: one row of one element
         if target.dtype != e.dtype or tuple(target.shape[1:]) != e.shape[1:] or row + rows > (e.shape or (1,))[0]:
-            raise ValueError(f"{self.path}: {name} is {e.shape} {e.dtype}; asked rows {row}:{row + rows} as "
-                             f"{tuple(target.shape)} {target.dtype}")
+            raise ValueError(
+                f"{self.path}: {name} is {e.shape} {e.dtype}; asked rows {row}:{row + rows} as "
+                f"{tuple(target.shape)} {target.dtype}"
+            )
         if not target.is_contiguous():
             step = max(1, CHUNK_BYTES // row_bytes)
             for start in range(0, rows, step):
@@ -181,8 +198,13 @@ def write_shards(
                 f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
                 del t
                 weight_map[e.name] = name
-    (out / INDEX_FILE).write_text(json.dumps(
-        {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))},
-        indent=1,
-    ))
+    (out / INDEX_FILE).write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": sum(e.nbytes for e in entries)},
+                "weight_map": dict(sorted(weight_map.items())),
+            },
+            indent=1,
+        )
+    )
     return weight_map

@@ -37,8 +37,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALL = 1 << 20  # elements: a parameter created with real values this small keeps them as its first write
 # ops that overwrite every element without reading it: an episode of writes to one tensor must start with one
-_WRITERS = {"uniform_", "normal_", "zero_", "fill_", "random_", "bernoulli_", "exponential_", "geometric_",
-            "cauchy_", "log_normal_", "_initial_value"}
+_WRITERS = {
+    "uniform_",
+    "normal_",
+    "zero_",
+    "fill_",
+    "random_",
+    "bernoulli_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "_initial_value",
+}
 
 
 @dataclass
@@ -75,8 +86,9 @@ class _Recorder(TorchDispatchMode):
         if target is not None and target.is_meta and func._schema.is_mutable:
             base = func.overloadpacket.__name__
             if target._is_view():  # e.g. an Embedding's padding row zeroed: replayed, it would zero the whole table
-                raise NotImplementedError(f"meta build: {base} writes a view of a parameter (part of it); it cannot "
-                                          f"be replayed")
+                raise NotImplementedError(
+                    f"meta build: {base} writes a view of a parameter (part of it); it cannot be replayed"
+                )
             if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
                 raise NotImplementedError(f"meta build: {func} reads another tensor; it cannot be replayed")
             gen = kwargs.get("generator")

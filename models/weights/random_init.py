@@ -39,8 +39,14 @@ class RandomInit(ABC):
     same_in_every_layout: ClassVar[bool]
 
     @abstractmethod
-    def fill(self, recipe: InitRecipe, slicer: Callable[[str], Any], sink: Callable[[str, torch.Tensor], None],
-             seed: int, device: torch.device) -> None:
+    def fill(
+        self,
+        recipe: InitRecipe,
+        slicer: Callable[[str], Any],
+        sink: Callable[[str, torch.Tensor], None],
+        seed: int,
+        device: torch.device,
+    ) -> None:
         """Call `sink(name, part)` with this rank's part (`slicer(name)`) of every parameter's initial value."""
 
 
@@ -96,8 +102,10 @@ def _part(episode: list[Write], idx: Any, seed: int, device: torch.device) -> to
             continue
         base = w.op.overloadpacket.__name__
         if base not in _WRITERS and torch.Tag.pointwise not in w.op.tags:
-            raise NotImplementedError(f"model.random_init=per_part: {w.op} is not element-wise, so it cannot be "
-                                      f"applied to a part; use model.random_init=exact")
+            raise NotImplementedError(
+                f"model.random_init=per_part: {w.op} is not element-wise, so it cannot be "
+                f"applied to a part; use model.random_init=exact"
+            )
         kwargs = dict(w.kwargs)
         if any(a.name == "generator" for a in w.op._schema.arguments):
             kwargs["generator"] = generator

@@ -93,8 +93,10 @@ def fill(target: torch.Tensor, shape: Sequence[int], index: Index, sources: Sequ
     written, own = 0, blocks(shape, index)
     for src in sources:
         if tuple(src.shape) != local_shape(shape, src.index):
-            raise ValueError(f"{name}: a stored part is {tuple(src.shape)}, but its layout's index into the full "
-                             f"{shape} gives {local_shape(shape, src.index)}: another model shape?")
+            raise ValueError(
+                f"{name}: a stored part is {tuple(src.shape)}, but its layout's index into the full "
+                f"{shape} gives {local_shape(shape, src.index)}: another model shape?"
+            )
         for a in blocks(shape, src.index):
             if a.ranges in seen:
                 continue  # a replica of a block already copied (replicated tensor, replicated KV head)
@@ -106,8 +108,10 @@ def fill(target: torch.Tensor, shape: Sequence[int], index: Index, sources: Sequ
                 target[_local_region(b, inter)] = src.read(_local_region(a, inter))
                 written += math.prod(hi - lo for lo, hi in inter)
     if written != target.numel():
-        raise ValueError(f"{name}: the stored parts cover {written} of the {target.numel()} elements of this "
-                         f"rank's part (a rank file missing, or parts that overlap)")
+        raise ValueError(
+            f"{name}: the stored parts cover {written} of the {target.numel()} elements of this "
+            f"rank's part (a rank file missing, or parts that overlap)"
+        )
 
 
 def index_of(slicer: Callable[[str], Index] | None, name: str) -> Index:

@@ -79,9 +79,18 @@ def run(rows: tuple[int, ...] = ROWS, dim: int = DIM, reps: int = 20) -> dict[st
                     full = statistics.median(_chain(ray, vision, text, fmt, n) for _ in range(reps))
                     moved = 2 * n * dim * 2  # the shard and its gradient, bf16
                     seconds = max(full - empty, 1e-9)
-                    out.append({"rows": n, "dim": dim, "format": fmt, "bytes_per_microbatch": moved,
-                                "chain_s": full, "empty_chain_s": empty, "boundary_s": seconds,
-                                "gb_per_s": moved / seconds / 1e9})
+                    out.append(
+                        {
+                            "rows": n,
+                            "dim": dim,
+                            "format": fmt,
+                            "bytes_per_microbatch": moved,
+                            "chain_s": full,
+                            "empty_chain_s": empty,
+                            "boundary_s": seconds,
+                            "gb_per_s": moved / seconds / 1e9,
+                        }
+                    )
             finally:
                 for a in (vision, text):
                     ray.kill(a)
@@ -96,13 +105,19 @@ def run(rows: tuple[int, ...] = ROWS, dim: int = DIM, reps: int = 20) -> dict[st
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"boundary per micro-batch (shard + gradient, {result['dtype']}), median of {result['reps']}, "
-             f"{result['timings']}", "",
-             "| tokens x dim | MB moved | format | ms | GB/s | speedup |", "|---|---:|---|---:|---:|---:|"]
+    lines = [
+        f"boundary per micro-batch (shard + gradient, {result['dtype']}), median of {result['reps']}, "
+        f"{result['timings']}",
+        "",
+        "| tokens x dim | MB moved | format | ms | GB/s | speedup |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
     for r in result["rows"]:
         speedup = f"{r['speedup']:.1f}x" if "speedup" in r else ""
-        lines.append(f"| {r['rows']} x {r['dim']} | {r['bytes_per_microbatch'] / 1e6:.1f} | {r['format']} | "
-                     f"{r['boundary_s'] * 1e3:.1f} | {r['gb_per_s']:.2f} | {speedup} |")
+        lines.append(
+            f"| {r['rows']} x {r['dim']} | {r['bytes_per_microbatch'] / 1e6:.1f} | {r['format']} | "
+            f"{r['boundary_s'] * 1e3:.1f} | {r['gb_per_s']:.2f} | {speedup} |"
+        )
     return "\n".join(lines)
 
 

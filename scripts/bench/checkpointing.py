@@ -80,8 +80,16 @@ def measure(stage: str, mode: str, seq: int, repeats: int, config) -> dict[str, 
         start = time.perf_counter()
         step().backward()
         times.append(time.perf_counter() - start)
-    return dict(stage=stage, mode=mode, seq_len=seq, blocks=len(model.blocks()), recomputed_blocks=recomputed,
-                kept_activation_bytes=kept, peak_activation_bytes=peak, step_s=round(statistics.median(times), 4))
+    return dict(
+        stage=stage,
+        mode=mode,
+        seq_len=seq,
+        blocks=len(model.blocks()),
+        recomputed_blocks=recomputed,
+        kept_activation_bytes=kept,
+        peak_activation_bytes=peak,
+        step_s=round(statistics.median(times), 4),
+    )
 
 
 def run(quick: bool, repeats: int) -> list[dict[str, Any]]:
@@ -100,8 +108,11 @@ def run(quick: bool, repeats: int) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| stage | tokens | checkpointing | blocks recomputed | kept after forward | fewer | peak (fwd+bwd) "
-             "| step | cost |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| stage | tokens | checkpointing | blocks recomputed | kept after forward | fewer | peak (fwd+bwd) "
+        "| step | cost |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['stage']} | {r['seq_len']} | {r['mode']} | {r['recomputed_blocks']} / {r['blocks']} | "

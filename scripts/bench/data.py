@@ -88,8 +88,9 @@ def tree_pss(root: int) -> int:
 def _settings(root: str, storage: Any = None, records: Any = None):
     from dhp.dataflow.preprocess import PreprocessSettings
 
-    return PreprocessSettings(image_root=root, min_pixels=3136, max_pixels=50176, max_seq_len=1024, storage=storage,
-                              records=records)
+    return PreprocessSettings(
+        image_root=root, min_pixels=3136, max_pixels=50176, max_seq_len=1024, storage=storage, records=records
+    )
 
 
 def _model_config():
@@ -122,8 +123,9 @@ def ray_data(paths: list[str], root: str, workers: int, storage: Any = None, rec
     from dhp.dataflow.preprocess import decode_sample
 
     start = time.perf_counter()
-    ds = build_dataset(paths, _settings(root, storage, records), _model_config(), workers=workers, num_cpus=0.5,
-                       seed=None)
+    ds = build_dataset(
+        paths, _settings(root, storage, records), _model_config(), workers=workers, num_cpus=0.5, seed=None
+    )
     n, vision, streamed, first = 0, 0, 0, None
     for row in ds.iter_rows():
         first = first or time.perf_counter() - start
@@ -132,8 +134,13 @@ def ray_data(paths: list[str], root: str, workers: int, storage: Any = None, rec
         n += 1
         streamed += len(row["sample"])
         vision += int(decode_sample(row["sample"])["image_grid_thw"].prod(-1).sum()) // 4
-    return {"seconds": time.perf_counter() - start, "first_row_s": first, "samples": n, "vision_tokens": vision,
-            "streamed_bytes": streamed}
+    return {
+        "seconds": time.perf_counter() - start,
+        "first_row_s": first,
+        "samples": n,
+        "vision_tokens": vision,
+        "streamed_bytes": streamed,
+    }
 
 
 def steady(stream: Any, short: Any, long: Any) -> dict[str, Any]:
@@ -147,8 +154,13 @@ def steady(stream: Any, short: Any, long: Any) -> dict[str, Any]:
     runs = [stream(short), stream(long)]
     dt, extra = max(runs[1]["seconds"] - runs[0]["seconds"], 1e-9), runs[1]["samples"] - runs[0]["samples"]
     vision = runs[1]["vision_tokens"] - runs[0]["vision_tokens"]
-    return {"samples_per_s": extra / dt, "vision_tokens_per_s": vision / dt,
-            "startup_s": runs[0]["first_row_s"], "cold_start_s": cold["first_row_s"], "runs": runs}
+    return {
+        "samples_per_s": extra / dt,
+        "vision_tokens_per_s": vision / dt,
+        "startup_s": runs[0]["first_row_s"],
+        "cold_start_s": cold["first_row_s"],
+        "runs": runs,
+    }
 
 
 def repeated(train: Path, times: int, out: Path) -> Path:
@@ -207,17 +219,30 @@ def training_wait(data_dir: Path, out_dir: Path, steps: int) -> dict[str, float]
     from dhp.stages.config import load_config
     from dhp.stages.driver import train
 
-    cfg = load_config("tiny", [f"training.steps={steps}", "training.eval_every=0", "training.eval_batches=1",
-                               f"data.synthetic.dir={data_dir}", f"output.dir={out_dir}", "output.name=run",
-                               "output.save_final_checkpoint=false", "output.tensorboard=false"])
+    cfg = load_config(
+        "tiny",
+        [
+            f"training.steps={steps}",
+            "training.eval_every=0",
+            "training.eval_batches=1",
+            f"data.synthetic.dir={data_dir}",
+            f"output.dir={out_dir}",
+            "output.name=run",
+            "output.save_final_checkpoint=false",
+            "output.tensorboard=false",
+        ],
+    )
     train(cfg)
     rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     first, rows = rows[0]["data_wait_s"], rows[1:]
     wait = sum(r["data_wait_s"] for r in rows)
     busy = sum(r["step_time_s"] for r in rows)
-    return {"data_wait_fraction": wait / max(wait + busy, 1e-9), "train_steps_measured": len(rows),
-            "first_step_data_wait_s": first,
-            "median_step_s": statistics.median(r["step_time_s"] for r in rows) if rows else 0.0}
+    return {
+        "data_wait_fraction": wait / max(wait + busy, 1e-9),
+        "train_steps_measured": len(rows),
+        "first_step_data_wait_s": first,
+        "median_step_s": statistics.median(r["step_time_s"] for r in rows) if rows else 0.0,
+    }
 
 
 def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -242,8 +267,13 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
     own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session) is reused and left running
     if own_ray:
         local_ray_on_loopback()
-        ray.init(address="local", num_cpus=2, object_store_memory=sizes["object_store_mb"] << 20,
-                 include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            object_store_memory=sizes["object_store_mb"] << 20,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     store_mb = ray.cluster_resources().get("object_store_memory", 0) / 2**20
     try:
         host, port = server.get_host_and_port()
@@ -258,25 +288,41 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
             return out | {"peak_pss_mb": peak.peak / 2**20, "streamed_mb": out["streamed_bytes"] / 2**20}
 
         def memory_of(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:  # peak memory against stream length
-            return [{"records": r["samples"], "streamed_mb": r["streamed_mb"], "peak_pss_mb": r["peak_pss_mb"]}
-                    for r in runs]
+            return [
+                {"records": r["samples"], "streamed_mb": r["streamed_mb"], "peak_pss_mb": r["peak_pss_mb"]}
+                for r in runs
+            ]
 
         local = steady(measured, [train], [big])
         shards = shards_of(train, synth.out_dir, sizes["repeat"], work / "shards")
         wds_format = WebDataset("<image>\nDescribe this image.", "txt")
         wds = steady(lambda paths: measured(paths, records=wds_format), shards[:1], shards)
         memory, wds_memory = memory_of(local["runs"]), memory_of(wds["runs"])
-        row.update(webdataset_samples_per_s=wds["samples_per_s"], webdataset_startup_s=wds["startup_s"],
-                   webdataset_memory=wds_memory,
-                   webdataset_peak_growth=wds_memory[-1]["peak_pss_mb"] / max(wds_memory[0]["peak_pss_mb"], 1e-9))
-        s3 = steady(lambda paths: ray_data([f"s3://bench/synth/{p.name}" for p in paths], "s3://bench/synth",
-                                           sizes["workers"], storage), [train], [big])
-        row.update(ray_data_samples_per_s=local["samples_per_s"], ray_data_vision_tokens_per_s=local[
-            "vision_tokens_per_s"], ray_data_startup_s=local["startup_s"], ray_data_cold_start_s=local["cold_start_s"],
-            ray_data_s3_samples_per_s=s3["samples_per_s"], ray_data_s3_vision_tokens_per_s=s3["vision_tokens_per_s"],
-            object_store_mb=round(store_mb), memory=memory,
+        row.update(
+            webdataset_samples_per_s=wds["samples_per_s"],
+            webdataset_startup_s=wds["startup_s"],
+            webdataset_memory=wds_memory,
+            webdataset_peak_growth=wds_memory[-1]["peak_pss_mb"] / max(wds_memory[0]["peak_pss_mb"], 1e-9),
+        )
+        s3 = steady(
+            lambda paths: ray_data(
+                [f"s3://bench/synth/{p.name}" for p in paths], "s3://bench/synth", sizes["workers"], storage
+            ),
+            [train],
+            [big],
+        )
+        row.update(
+            ray_data_samples_per_s=local["samples_per_s"],
+            ray_data_vision_tokens_per_s=local["vision_tokens_per_s"],
+            ray_data_startup_s=local["startup_s"],
+            ray_data_cold_start_s=local["cold_start_s"],
+            ray_data_s3_samples_per_s=s3["samples_per_s"],
+            ray_data_s3_vision_tokens_per_s=s3["vision_tokens_per_s"],
+            object_store_mb=round(store_mb),
+            memory=memory,
             streamed_over_object_store=memory[-1]["streamed_mb"] / max(store_mb, 1e-9),
-            peak_growth=memory[-1]["peak_pss_mb"] / max(memory[0]["peak_pss_mb"], 1e-9))
+            peak_growth=memory[-1]["peak_pss_mb"] / max(memory[0]["peak_pss_mb"], 1e-9),
+        )
     finally:
         if own_ray:
             ray.shutdown()
@@ -288,30 +334,40 @@ def run(sizes: dict[str, Any], work: Path) -> dict[str, Any]:
                 os.environ[key] = value
     row.update(training_wait(work / "synth", work / "runs", sizes["train_steps"]))
     row["speedup_over_baseline"] = row["ray_data_samples_per_s"] / row["baseline_samples_per_s"]
-    row["goal"] = {"data_wait_fraction": row["data_wait_fraction"] <= GOAL_WAIT,
-                   "ray_data_startup_s": row["ray_data_startup_s"] <= GOAL_STARTUP_S,
-                   "first_step_data_wait_s": row["first_step_data_wait_s"] <= GOAL_STARTUP_S}
+    row["goal"] = {
+        "data_wait_fraction": row["data_wait_fraction"] <= GOAL_WAIT,
+        "ray_data_startup_s": row["ray_data_startup_s"] <= GOAL_STARTUP_S,
+        "first_step_data_wait_s": row["first_step_data_wait_s"] <= GOAL_STARTUP_S,
+    }
     return row
 
 
 def table(row: dict[str, Any]) -> str:
-    lines = [f"{'pipeline':28}{'samples/s':>10}{'vision tok/s':>14}",
-             f"{'plain loop (1 process)':28}{row['baseline_samples_per_s']:10.1f}"
-             f"{row['baseline_vision_tokens_per_s']:14.0f}",
-             f"{'Ray Data, local files':28}{row['ray_data_samples_per_s']:10.1f}"
-             f"{row['ray_data_vision_tokens_per_s']:14.0f}",
-             f"{'Ray Data, s3:// (moto)':28}{row['ray_data_s3_samples_per_s']:10.1f}"
-             f"{row['ray_data_s3_vision_tokens_per_s']:14.0f}",
-             f"{'Ray Data, WebDataset shards':28}{row['webdataset_samples_per_s']:10.1f}", ""]
+    lines = [
+        f"{'pipeline':28}{'samples/s':>10}{'vision tok/s':>14}",
+        f"{'plain loop (1 process)':28}{row['baseline_samples_per_s']:10.1f}"
+        f"{row['baseline_vision_tokens_per_s']:14.0f}",
+        f"{'Ray Data, local files':28}{row['ray_data_samples_per_s']:10.1f}{row['ray_data_vision_tokens_per_s']:14.0f}",
+        f"{'Ray Data, s3:// (moto)':28}{row['ray_data_s3_samples_per_s']:10.1f}"
+        f"{row['ray_data_s3_vision_tokens_per_s']:14.0f}",
+        f"{'Ray Data, WebDataset shards':28}{row['webdataset_samples_per_s']:10.1f}",
+        "",
+    ]
     for kind, key in (("records", "memory"), ("shard samples", "webdataset_memory")):
         for m in row[key]:
-            lines.append(f"streamed {m['records']:5d} {kind} = {m['streamed_mb']:7.1f} MiB through a "
-                         f"{row['object_store_mb']} MiB object store: peak PSS {m['peak_pss_mb']:7.1f} MiB")
-    lines.append(f"a stream's first row after {row['ray_data_startup_s']:.2f} s (the session's first stream: "
-                 f"{row['ray_data_cold_start_s']:.2f} s; goal <= {GOAL_STARTUP_S:g} s); training's first step "
-                 f"waited {row['first_step_data_wait_s']:.2f} s for data")
-    lines.append(f"training waited for data {row['data_wait_fraction']:.1%} of step time "
-                 f"(goal <= {GOAL_WAIT:.0%}) over {row['train_steps_measured']} steps")
+            lines.append(
+                f"streamed {m['records']:5d} {kind} = {m['streamed_mb']:7.1f} MiB through a "
+                f"{row['object_store_mb']} MiB object store: peak PSS {m['peak_pss_mb']:7.1f} MiB"
+            )
+    lines.append(
+        f"a stream's first row after {row['ray_data_startup_s']:.2f} s (the session's first stream: "
+        f"{row['ray_data_cold_start_s']:.2f} s; goal <= {GOAL_STARTUP_S:g} s); training's first step "
+        f"waited {row['first_step_data_wait_s']:.2f} s for data"
+    )
+    lines.append(
+        f"training waited for data {row['data_wait_fraction']:.1%} of step time "
+        f"(goal <= {GOAL_WAIT:.0%}) over {row['train_steps_measured']} steps"
+    )
     return "\n".join(lines)
 
 

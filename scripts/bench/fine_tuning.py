@@ -22,9 +22,14 @@ from typing import Any
 
 from dhp.scripts.results import report
 
-MODES = {"all": [], "frozen ViT": ["vision.train=none"], "merger only": ["vision.train=merger"],
-         "frozen LLM": ["text.train=none"], "LoRA r16": ["text.train=lora", "text.lora.rank=16"],
-         "frozen ViT + LoRA r16": ["vision.train=none", "text.train=lora", "text.lora.rank=16"]}
+MODES = {
+    "all": [],
+    "frozen ViT": ["vision.train=none"],
+    "merger only": ["vision.train=merger"],
+    "frozen LLM": ["text.train=none"],
+    "LoRA r16": ["text.train=lora", "text.lora.rank=16"],
+    "frozen ViT + LoRA r16": ["vision.train=none", "text.train=lora", "text.lora.rank=16"],
+}
 FULL, QUICK = dict(side=448, steps=4, samples=4), dict(side=112, steps=2, samples=2)
 
 
@@ -41,9 +46,17 @@ def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: d
     from dhp.stages.trainer import Trainer
 
     length = len(sample["input_ids"])
-    cfg = load_config("tiny", overrides + [
-        f"model.path={ckpt}", f"data.microbatch_tokens={length}", f"data.max_seq_len={length}",
-        f"training.global_batch_size={size['samples']}", "training.warmup_steps=0"])
+    cfg = load_config(
+        "tiny",
+        overrides
+        + [
+            f"model.path={ckpt}",
+            f"data.microbatch_tokens={length}",
+            f"data.max_seq_len={length}",
+            f"training.global_batch_size={size['samples']}",
+            "training.warmup_steps=0",
+        ],
+    )
     trainer = Trainer(cfg, model_config=config)
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
@@ -87,9 +100,14 @@ def run(quick: bool) -> dict[str, Any]:
     finally:
         if started:
             ray.shutdown()
-    return {"device": "cpu", "layout": "tiny preset: vision sequence 2, text tensor 2, pipelined",
-            "image_side": size["side"], "image_patches": patches(size["side"]), "samples_per_step": size["samples"],
-            "rows": rows}
+    return {
+        "device": "cpu",
+        "layout": "tiny preset: vision sequence 2, text tensor 2, pipelined",
+        "image_side": size["side"],
+        "image_patches": patches(size["side"]),
+        "samples_per_step": size["samples"],
+        "rows": rows,
+    }
 
 
 def _worst(row: dict, stage: str, key: str) -> int:
@@ -98,14 +116,18 @@ def _worst(row: dict, stage: str, key: str) -> int:
 
 def table(result: dict[str, Any]) -> str:
     mib = 2**20
-    lines = [f"{result['samples_per_step']} samples of one {result['image_patches']}-patch image per step, "
-             f"{result['layout']}; CPU timings; MiB on the worst rank of each pool", "",
-             "| mode | step s | vision params / grads / AdamW / kept | text params / grads / AdamW / kept |",
-             "|---|---:|---:|---:|"]
+    lines = [
+        f"{result['samples_per_step']} samples of one {result['image_patches']}-patch image per step, "
+        f"{result['layout']}; CPU timings; MiB on the worst rank of each pool",
+        "",
+        "| mode | step s | vision params / grads / AdamW / kept | text params / grads / AdamW / kept |",
+        "|---|---:|---:|---:|",
+    ]
     for row in result["rows"]:
-        cells = [" / ".join(f"{_worst(row, stage, k) / mib:.1f}" for k in ("params", "grads", "optimizer",
-                                                                            "activations"))
-                 for stage in ("vision", "text")]
+        cells = [
+            " / ".join(f"{_worst(row, stage, k) / mib:.1f}" for k in ("params", "grads", "optimizer", "activations"))
+            for stage in ("vision", "text")
+        ]
         lines.append(f"| {row['mode']} | {row['step_s']:.3f} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 

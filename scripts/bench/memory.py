@@ -35,13 +35,21 @@ SHAPES = ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b")
 # (stage, layout, degree, num_actors): the presets' layouts (tiny SP2/TP2, 7B SP4/TP4, 32B SP8/TP8), a TP 8 x
 # DP 2 text pool (16 GPUs: ZeRO-1 halves its moments) and one unsharded rank of each stage for scale.
 LAYOUTS = [
-    ("vision", "none", 1, 1), ("vision", "sequence", 2, 2), ("vision", "sequence", 4, 4),
+    ("vision", "none", 1, 1),
+    ("vision", "sequence", 2, 2),
+    ("vision", "sequence", 4, 4),
     ("vision", "sequence", 8, 8),
-    ("text", "none", 1, 1), ("text", "tensor", 2, 2), ("text", "tensor", 4, 4), ("text", "tensor", 8, 8),
+    ("text", "none", 1, 1),
+    ("text", "tensor", 2, 2),
+    ("text", "tensor", 4, 4),
+    ("text", "tensor", 8, 8),
     ("text", "tensor", 8, 16),
 ]
-MEASURED = [("qwen2_5_vl_3b", "text", "tensor", 2), ("qwen2_5_vl_3b", "text", "tensor", 4),
-            ("qwen2_5_vl_3b", "vision", "sequence", 4)]
+MEASURED = [
+    ("qwen2_5_vl_3b", "text", "tensor", 2),
+    ("qwen2_5_vl_3b", "text", "tensor", 4),
+    ("qwen2_5_vl_3b", "vision", "sequence", 4),
+]
 QUICK_LAYOUTS = [("vision", "sequence", 2, 2), ("text", "tensor", 2, 2), ("text", "none", 1, 2)]
 QUICK_MEASURED = [("tiny", "text", "tensor", 2), ("tiny", "vision", "sequence", 2)]
 
@@ -54,8 +62,15 @@ def full_shapes(model: str, stage: str) -> dict[str, tuple[int, ...]]:
     return shapes_of(architecture_config(model), stage)
 
 
-def computed_row(model: str, stage: str, layout: str, degree: int, num_actors: int, precision: str,
-                 shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def computed_row(
+    model: str,
+    stage: str,
+    layout: str,
+    degree: int,
+    num_actors: int,
+    precision: str,
+    shapes: dict[str, tuple[int, ...]],
+) -> dict[str, Any]:
     from dhp.models.architectures import architecture_config
     from dhp.models.parallel.layouts import make_layout
     from dhp.models.planning.memory_plan import model_state_bytes
@@ -64,7 +79,12 @@ def computed_row(model: str, stage: str, layout: str, degree: int, num_actors: i
     lay = make_layout(stage, layout, degree, num_actors, architecture_config(model))
     states = [model_state_bytes(lay, precision_of(precision), shapes, r) for r in range(num_actors)]
     row = dict(
-        model=model, stage=stage, layout=layout, degree=degree, num_actors=num_actors, precision=precision,
+        model=model,
+        stage=stage,
+        layout=layout,
+        degree=degree,
+        num_actors=num_actors,
+        precision=precision,
         **{f"{k}_bytes": v for k, v in states[0].items()},
         largest_tensor_bytes=max(math.prod(s) for s in shapes.values()) * 4,  # replayed / gathered in fp32
         checkpoint_bytes=sum(s["params"] + s["optimizer"] for s in states),  # every rank's tensors + its moments
@@ -98,8 +118,21 @@ def write_checkpoint(model: str, out: Path) -> None:
 
 def measured(model: str, stage: str, layout: str, degree: int, ckpt: Path) -> dict[str, Any]:
     """measure_build in a fresh process (peak RSS only grows), loading from `ckpt`."""
-    cmd = [sys.executable, "-m", "dhp.scripts.measure_build", "--model", model, "--stage", stage,
-           "--layout", layout, "--degree", str(degree), "--path", str(ckpt)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.scripts.measure_build",
+        "--model",
+        model,
+        "--stage",
+        stage,
+        "--layout",
+        layout,
+        "--degree",
+        str(degree),
+        "--path",
+        str(ckpt),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -120,7 +153,8 @@ def run(quick: bool, measure: bool, checkpoint_dir: str | None) -> list[dict[str
         for stage, layout, degree, num_actors in layouts:
             try:
                 make_layout(stage, layout, degree, num_actors, architecture_config(model)).check_shape(
-                    architecture_config(model))
+                    architecture_config(model)
+                )
             except ValueError:
                 continue  # e.g. TP 8 of the 7B's 28 heads: not a layout this shape can have
             for precision in ("fp32", "bf16"):
@@ -136,11 +170,17 @@ def run(quick: bool, measure: bool, checkpoint_dir: str | None) -> list[dict[str
                 write_checkpoint(model, tmp)
             for m, stage, layout, degree in tqdm([t for t in todo if t[0] == model], desc="measured builds"):
                 got = measured(m, stage, layout, degree, tmp)
-                row = next(r for r in rows if (r["model"], r["stage"], r["layout"], r["degree"], r["num_actors"],
-                                               r["precision"]) == (m, stage, layout, degree, degree, "fp32"))
+                row = next(
+                    r
+                    for r in rows
+                    if (r["model"], r["stage"], r["layout"], r["degree"], r["num_actors"], r["precision"])
+                    == (m, stage, layout, degree, degree, "fp32")
+                )
                 if got["held_bytes"] != row["held_bytes"]:
-                    raise AssertionError(f"{m} {stage} {layout} {degree}: built {got['held_bytes']} bytes, "
-                                         f"the plan says {row['held_bytes']}")
+                    raise AssertionError(
+                        f"{m} {stage} {layout} {degree}: built {got['held_bytes']} bytes, "
+                        f"the plan says {row['held_bytes']}"
+                    )
                 row["peak_rss_bytes"], row["build_s"] = got["peak_rss_bytes"], got["build_s"]
         finally:
             if not checkpoint_dir:
@@ -149,18 +189,31 @@ def run(quick: bool, measure: bool, checkpoint_dir: str | None) -> list[dict[str
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | stage | layout | actors | precision | params | grads | AdamW | state | +step temp "
-            "| checkpoint | peak RSS (goal) | build |")
+    head = (
+        "| model | stage | layout | actors | precision | params | grads | AdamW | state | +step temp "
+        "| checkpoint | peak RSS (goal) | build |"
+    )
     lines = [head, "|" + "---|" * 4 + "---|" + "---:|" * 8]
     for r in rows:
-        rss = "" if r["peak_rss_bytes"] is None else (
-            f"{r['peak_rss_bytes'] / GIB:.2f} ({r['goal_rss_bytes'] / GIB:.2f})")
+        rss = (
+            ""
+            if r["peak_rss_bytes"] is None
+            else (f"{r['peak_rss_bytes'] / GIB:.2f} ({r['goal_rss_bytes'] / GIB:.2f})")
+        )
         build = "" if r["build_s"] is None else f"{r['build_s']:.0f} s"
         lines.append(
             f"| {r['model']} | {r['stage']} | {r['layout']} {r['degree']} | {r['num_actors']} | {r['precision']} | "
-            + " | ".join(f"{r[k] / GIB:.2f}" for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
-                                                         "state_bytes", "optimizer_step_temp_bytes",
-                                                         "checkpoint_bytes"))
+            + " | ".join(
+                f"{r[k] / GIB:.2f}"
+                for k in (
+                    "params_bytes",
+                    "grads_bytes",
+                    "optimizer_bytes",
+                    "state_bytes",
+                    "optimizer_step_temp_bytes",
+                    "checkpoint_bytes",
+                )
+            )
             + f" | {rss} | {build} |"
         )
     return "\n".join(lines)
@@ -179,5 +232,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", required=True, help="where the rows go")
     p.add_argument("--quick", action="store_true", help="the tiny shape only (seconds)")
     p.add_argument("--no-measure", action="store_true", help="computed rows only (no checkpoint, no builds)")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="reuse/keep the random checkpoint here (default: a temporary dir, removed)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="reuse/keep the random checkpoint here (default: a temporary dir, removed)",
+    )

@@ -48,17 +48,33 @@ QUICK_SIDES = (112,)  # 64 patches
 
 def _settings(model: str | None, length: int, microbatches: int, cuda: bool) -> list[str]:
     # No loader runs (the batches are built here), so no preprocessing CPUs: the GPU preset's 2 x 8 would not fit.
-    resources = ["vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5", "data.preprocess_workers=1",
-                 "data.preprocess_num_cpus=0.25"]
+    resources = [
+        "vision.num_cpus_per_actor=0.5",
+        "text.num_cpus_per_actor=0.5",
+        "data.preprocess_workers=1",
+        "data.preprocess_num_cpus=0.25",
+    ]
     gpus = ["vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5"] if cuda else []
     # a released shape's weights drawn on the device, each actor its own part (speed does not depend on their
     # values): the exact replay of the 3B's random stream on the host takes a minute per actor build
     shape = [f"model.name={model}", "model.random_init=per_part"] if model else []
-    return [*shape, *resources, *gpus,
-            "vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-            "text.parallelism=none", "text.num_actors=1", "text.degree=1", "pipeline.placement=shared",
-            f"data.microbatch_tokens={length}", f"data.max_seq_len={length}",
-            f"training.global_batch_size={microbatches}", "training.warmup_steps=0", "pipeline.trace=true"]
+    return [
+        *shape,
+        *resources,
+        *gpus,
+        "vision.parallelism=none",
+        "vision.num_actors=1",
+        "vision.degree=1",
+        "text.parallelism=none",
+        "text.num_actors=1",
+        "text.degree=1",
+        "pipeline.placement=shared",
+        f"data.microbatch_tokens={length}",
+        f"data.max_seq_len={length}",
+        f"training.global_batch_size={microbatches}",
+        "training.warmup_steps=0",
+        "pipeline.trace=true",
+    ]
 
 
 def _peak_bytes(_worker: Any = None) -> int:
@@ -105,17 +121,31 @@ def _wait_for_free_device(timeout_s: float = 120.0) -> None:
         if device_released(free, total, held):
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the dhp actors' device memory was not released within {timeout_s:g} s: "
-                               f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
-                               f"{held / 2**30:.1f} GiB held by this process")
+            raise RuntimeError(
+                f"the dhp actors' device memory was not released within {timeout_s:g} s: "
+                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
+                f"{held / 2**30:.1f} GiB held by this process"
+            )
         time.sleep(1.0)
 
 
 # Events on the device's timeline that are not its work: CUPTI's markers (the launch queue full: 14 s of a 3.5 s
 # step under key_averages on an H200), waits for a stream or event, and the profiler's own ranges
-NOT_DEVICE_WORK = ("Command Buffer Full", "Buffer Flush", "Activity Buffer Request", "Driver Compiler", "Resource",
-                   "Instrumentation", "Runtime Triggered Module Loading", "Lazy Function Loading", "Event Sync",
-                   "Stream Wait Event", "Stream Sync", "Context Sync", "ProfilerStep")
+NOT_DEVICE_WORK = (
+    "Command Buffer Full",
+    "Buffer Flush",
+    "Activity Buffer Request",
+    "Driver Compiler",
+    "Resource",
+    "Instrumentation",
+    "Runtime Triggered Module Loading",
+    "Lazy Function Loading",
+    "Event Sync",
+    "Stream Wait Event",
+    "Stream Sync",
+    "Context Sync",
+    "ProfilerStep",
+)
 
 
 def profile_summary(events: Any, wall_s: float, top: int = 8) -> dict[str, Any]:
@@ -149,15 +179,24 @@ def profile_summary(events: Any, wall_s: float, top: int = 8) -> dict[str, Any]:
         busy_us += max(0.0, end - max(start, reach if reach is not None else start))
         reach = end if reach is None else max(reach, end)
     device_s = busy_us / 1e6
-    ranked = {"device": sorted(device.items(), key=lambda kv: kv[1][1], reverse=True)[:top],
-              "host": sorted(host.items(), key=lambda kv: kv[1][0], reverse=True)[:top]}
-    return {"wall_s": wall_s, "device_busy_s": device_s, "device_busy_share": device_s / wall_s if wall_s else 0.0,
-            # the device idle between its first and last work: how often and how long it waits on the host
-            "device_gaps": {"count": len(gaps), "total_s": sum(gaps) / 1e6,
-                            "longest_s": [g / 1e6 for g in sorted(gaps, reverse=True)[:3]]},
-            "top_device": [{"op": k, "calls": c, "device_s": us / 1e6} for k, (c, us) in ranked["device"]],
-            "top_host": [{"op": k, "calls": c, "host_s": us / 1e6} for k, (c, us) in ranked["host"]],
-            "skipped_device_s": {k: us / 1e6 for k, us in sorted(skipped.items(), key=lambda kv: -kv[1])[:top]}}
+    ranked = {
+        "device": sorted(device.items(), key=lambda kv: kv[1][1], reverse=True)[:top],
+        "host": sorted(host.items(), key=lambda kv: kv[1][0], reverse=True)[:top],
+    }
+    return {
+        "wall_s": wall_s,
+        "device_busy_s": device_s,
+        "device_busy_share": device_s / wall_s if wall_s else 0.0,
+        # the device idle between its first and last work: how often and how long it waits on the host
+        "device_gaps": {
+            "count": len(gaps),
+            "total_s": sum(gaps) / 1e6,
+            "longest_s": [g / 1e6 for g in sorted(gaps, reverse=True)[:3]],
+        },
+        "top_device": [{"op": k, "calls": c, "device_s": us / 1e6} for k, (c, us) in ranked["device"]],
+        "top_host": [{"op": k, "calls": c, "host_s": us / 1e6} for k, (c, us) in ranked["host"]],
+        "skipped_device_s": {k: us / 1e6 for k, us in sorted(skipped.items(), key=lambda kv: -kv[1])[:top]},
+    }
 
 
 def profiled(steps: int) -> Any:
@@ -207,8 +246,7 @@ def profile_dhp(trainer: Any, batches: list[Any], steps: int) -> dict[str, dict[
     return dict(zip(actors, ray.get([a.__ray_call__.remote(_profile_stop, wall) for a in actors.values()])))
 
 
-def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
-            profile_steps: int = 0) -> dict[str, Any]:
+def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int, profile_steps: int = 0) -> dict[str, Any]:
     """dhp's steps on pre-built batches: median step, per-call medians, each actor's peak, the MFU peak, the
     median bubble and the boundary's seconds per micro-batch over the measured steps; with `profile_steps`, that
     many more steps under torch.profiler in each pool (`profile_dhp`)."""
@@ -225,8 +263,10 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
         batches = global_batches(sample, cfg, mc, microbatches, 1)
         ray.get([pool.actors[0].__ray_call__.remote(_reset_peak) for _, pool in trainer.pools()])
         times, calls = timed_steps(trainer, batches, steps, metrics)
-        peaks, reserved = ({stage: ray.get(pool.actors[0].__ray_call__.remote(f)) for stage, pool in trainer.pools()}
-                           for f in (_peak_bytes, _peak_reserved))
+        peaks, reserved = (
+            {stage: ray.get(pool.actors[0].__ray_call__.remote(f)) for stage, pool in trainer.pools()}
+            for f in (_peak_bytes, _peak_reserved)
+        )
         peak = peak_of(cfg, trainer)
         boundary = boundary_seconds(e for e in trainer.traced_events() if e["step"] > 1)  # the warm-up is step 1
         # after the measured steps, so the profiler's overhead is in none of them
@@ -235,10 +275,18 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
         trainer.shutdown()
         if cfg.vision.num_gpus_per_actor:  # also after a failed run: the next system needs the device back
             _wait_for_free_device()
-    return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": peaks,
-            "peak_reserved_bytes": reserved,
-            "calls_s": calls, "peak_flops": peak.flops, "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
-            "boundary_s_per_microbatch": boundary, "batches": batches, **({"profile": profiles} if profiles else {})}
+    return {
+        "step_s": statistics.median(times[1:]),
+        "steps_s": times,
+        "peak_bytes": peaks,
+        "peak_reserved_bytes": reserved,
+        "calls_s": calls,
+        "peak_flops": peak.flops,
+        "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
+        "boundary_s_per_microbatch": boundary,
+        "batches": batches,
+        **({"profile": profiles} if profiles else {}),
+    }
 
 
 def _boundaries(text: str) -> tuple[str, ...]:
@@ -259,8 +307,9 @@ def _system(boundary: str) -> str:
     return f"dhp {boundary}" if transport_of(boundary).direct else "dhp"
 
 
-def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int,
-                    profile_steps: int = 0) -> dict[str, Any]:
+def run_one_process(
+    cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int, profile_steps: int = 0
+) -> dict[str, Any]:
     """The same steps as one transformers model in this process: median step and the process's peak; with
     `profile_steps`, that many more steps under torch.profiler (`profiled`, `profile_summary`)."""
     import torch
@@ -276,11 +325,13 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     torch.manual_seed(0)
     with device:  # initialized where it trains: a released shape's random init on the host takes minutes
         model = Qwen2_5_VLForConditionalGeneration._from_config(  # a copy: _from_config sets its dtype
-            copy.deepcopy(mc), attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype).train()
+            copy.deepcopy(mc), attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype
+        ).train()
     if all(ActivationCheckpointing.of(getattr(cfg, stage)).recomputes for stage in ("vision", "text")):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
+    )
     batch = {k: v.to(device) for k, v in hf_batch(sample, precision.param_dtype).items()}  # as the DeepSpeed peer's
     autocast = precision.autocast(device, precision.compute_dtype(cfg.model.dtype))
     if cuda:
@@ -320,12 +371,18 @@ def run_one_process(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: i
     gc.collect()  # before the cache is emptied: what a reference cycle still holds is not free to give back
     if cuda:
         torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times[1:]), "steps_s": times, "peak_bytes": {"process": peak},
-            "peak_reserved_bytes": {"process": reserved}, **({"profile": summary} if summary else {})}
+    return {
+        "step_s": statistics.median(times[1:]),
+        "steps_s": times,
+        "peak_bytes": {"process": peak},
+        "peak_reserved_bytes": {"process": reserved},
+        **({"profile": summary} if summary else {}),
+    }
 
 
-def choose_precision(base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None,
-                     asked: str | None = None) -> str:
+def choose_precision(
+    base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None, asked: str | None = None
+) -> str:
     """`asked`, else the preset's precision if `dhp plan` fits it on `device_gib` at `patches` (the largest image
     of the run), else pure bf16: fp32 master weights take 16 bytes a parameter, 60 GB for the 3B's 3.75 B, too
     much beside 16 k-patch activations on an 80 GB GPU. Raises when not even bf16 fits (a bench that would run
@@ -342,14 +399,23 @@ def choose_precision(base: str, settings: list[str], mc: Any, patches: int, devi
         if result["fits"]:
             return name
         tried.append(f"{name}: {result['per_device'] / GIB:.1f} GiB")
-    raise ValueError(f"the plan fits no precision on this {device_gib:.0f} GiB device at {patches} patches "
-                     f"({'; '.join(tried)}): ask for smaller --sides")
+    raise ValueError(
+        f"the plan fits no precision on this {device_gib:.0f} GiB device at {patches} patches "
+        f"({'; '.join(tried)}): ask for smaller --sides"
+    )
 
 
-def run(quick: bool, model: str | None = None, sides: list[int] | None = None, steps: int | None = None,
-        microbatches: int = 2, precision: str | None = None,
-        on_side: Callable[[dict[str, Any]], None] | None = None, profile_steps: int = 0,
-        boundaries: tuple[str, ...] = ("host",)) -> dict[str, Any]:
+def run(
+    quick: bool,
+    model: str | None = None,
+    sides: list[int] | None = None,
+    steps: int | None = None,
+    microbatches: int = 2,
+    precision: str | None = None,
+    on_side: Callable[[dict[str, Any]], None] | None = None,
+    profile_steps: int = 0,
+    boundaries: tuple[str, ...] = ("host",),
+) -> dict[str, Any]:
     """Both systems at each side, smallest first; dhp once per `pipeline.boundary` in `boundaries` (a row
     each: "dhp" for host, "dhp cuda_ipc", ...). `on_side` is handed the result so far after each side
     (`complete` false until the last), so a run cut off by a time limit keeps the sides it finished."""
@@ -368,10 +434,16 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
     base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision and checkpointing
     mc = model_config_of(load_config(base, [f"model.name={model}"] if model else []))
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
-    head = {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-            "timings": "GPU" if cuda else "CPU timings (not GPU figures)", "torch": torch.__version__,
-            "model": model or "tiny", "precision": precision, "device_gib": device_gib,
-            "microbatches": microbatches, "steps": steps}
+    head = {
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+        "timings": "GPU" if cuda else "CPU timings (not GPU figures)",
+        "torch": torch.__version__,
+        "model": model or "tiny",
+        "precision": precision,
+        "device_gib": device_gib,
+        "microbatches": microbatches,
+        "steps": steps,
+    }
     started = not ray.is_initialized()
     if started:  # a running Ray where RAY_ADDRESS names one (scripts/gpu_session.sh starts one for its steps)
         address = os.environ.get("RAY_ADDRESS")
@@ -395,15 +467,23 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                     for boundary in boundaries:
                         try:
                             dhps[boundary] = run_dhp(
-                                load_config(base, [*settings[side], f"model.precision={precision}",
-                                                   f"pipeline.boundary={boundary}"]), mc, sample, microbatches, steps,
-                                profile_steps if not dhps else 0)  # the first boundary's row is profiled
+                                load_config(
+                                    base,
+                                    [*settings[side], f"model.precision={precision}", f"pipeline.boundary={boundary}"],
+                                ),
+                                mc,
+                                sample,
+                                microbatches,
+                                steps,
+                                profile_steps if not dhps else 0,
+                            )  # the first boundary's row is profiled
                         except Exception as e:  # a later transport (alpha in Ray) failing keeps the others' rows
                             if not dhps:  # the first boundary is the side's baseline: without it, no dhp row
                                 raise
                             error = f"{type(e).__name__}: {e}"[:2000]
                             head.setdefault("failed_boundaries", []).append(
-                                {"boundary": boundary, "side": side, "patches": patches(side), "error": error})
+                                {"boundary": boundary, "side": side, "patches": patches(side), "error": error}
+                            )
                             print(f"side {side}, pipeline.boundary={boundary}: {error}", flush=True)
                     alone = run_one_process(cfg, mc, sample, microbatches, steps, profile_steps)
                 except Exception as e:  # an OOM at the largest image is a finding: keep it and the sides before
@@ -414,18 +494,25 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
                 batches = [r.pop("batches") for r in dhps.values()][0]  # the same batches for each
                 systems = [(_system(b), r) for b, r in dhps.items()]
                 for system, r in [*systems, ("one process", alone)]:
-                    rows.append({
-                        "side": side, "patches": patches(side), "sample_tokens": length, "system": system,
-                        "step_s": r["step_s"], "steps_s": r["steps_s"], "peak_bytes": r["peak_bytes"],
-                        "peak_reserved_bytes": r["peak_reserved_bytes"],
-                        "calls_s": r.get("calls_s", {}),
-                        **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "profile") if k in r},
-                        "planned_bytes": planned if cuda and r is not alone else {},
-                        "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
-                        "text_tokens_per_s": microbatches * length / r["step_s"],
-                        **throughput(batches, mc, r["step_s"], systems[0][1]["peak_flops"]),
-                    })
-                for row, (_, r) in zip(rows[-1 - len(systems):-1], systems):
+                    rows.append(
+                        {
+                            "side": side,
+                            "patches": patches(side),
+                            "sample_tokens": length,
+                            "system": system,
+                            "step_s": r["step_s"],
+                            "steps_s": r["steps_s"],
+                            "peak_bytes": r["peak_bytes"],
+                            "peak_reserved_bytes": r["peak_reserved_bytes"],
+                            "calls_s": r.get("calls_s", {}),
+                            **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "profile") if k in r},
+                            "planned_bytes": planned if cuda and r is not alone else {},
+                            "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
+                            "text_tokens_per_s": microbatches * length / r["step_s"],
+                            **throughput(batches, mc, r["step_s"], systems[0][1]["peak_flops"]),
+                        }
+                    )
+                for row, (_, r) in zip(rows[-1 - len(systems) : -1], systems):
                     row["ratio"] = alone["step_s"] / r["step_s"]  # dhp's tokens/s over the loop's
                     # of dhp's step: both pools' rank 0 moving embeddings and gradients (they may overlap other work)
                     row["boundary_share"] = microbatches * r["boundary_s_per_microbatch"]["boundary_s"] / r["step_s"]
@@ -438,31 +525,44 @@ def run(quick: bool, model: str | None = None, sides: list[int] | None = None, s
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} on {result['device']} ({result['timings']}), {result['precision']}, "
-             f"{result['microbatches']} micro-batches a step, median of {result['steps']} steps", "",
-             "| patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | peak GiB[/reserved] (planned) "
-             "| bubble | boundary ms/mb (share) | dhp / loop |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|"]
+    lines = [
+        f"{result['model']} on {result['device']} ({result['timings']}), {result['precision']}, "
+        f"{result['microbatches']} micro-batches a step, median of {result['steps']} steps",
+        "",
+        "| patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | peak GiB[/reserved] (planned) "
+        "| bubble | boundary ms/mb (share) | dhp / loop |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
+    ]
     for r in result["rows"]:
         reserved = r.get("peak_reserved_bytes", {})
-        peak = ", ".join(f"{k} {v / 2**30:.2f}" + (f"/{reserved[k] / 2**30:.2f}" if reserved.get(k) else "")
-                         + (f" ({r['planned_bytes'][k] / 2**30:.2f})" if k in r["planned_bytes"] else "")
-                         for k, v in r["peak_bytes"].items())
+        peak = ", ".join(
+            f"{k} {v / 2**30:.2f}"
+            + (f"/{reserved[k] / 2**30:.2f}" if reserved.get(k) else "")
+            + (f" ({r['planned_bytes'][k] / 2**30:.2f})" if k in r["planned_bytes"] else "")
+            for k, v in r["peak_bytes"].items()
+        )
         ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
         bubble = f"{r['bubble']:.3f}" if "bubble" in r else ""
-        boundary = (f"{r['boundary_s_per_microbatch']['boundary_s'] * 1e3:.1f} ({r['boundary_share']:.1%})"
-                    if "boundary_share" in r else "")
-        lines.append(f"| {r['patches']} | {r['system']} | {r['step_s']:.3f} | {r['vision_tokens_per_s']:.0f} | "
-                     f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
-                     f"{bubble} | {boundary} | {ratio} |")
+        boundary = (
+            f"{r['boundary_s_per_microbatch']['boundary_s'] * 1e3:.1f} ({r['boundary_share']:.1%})"
+            if "boundary_share" in r
+            else ""
+        )
+        lines.append(
+            f"| {r['patches']} | {r['system']} | {r['step_s']:.3f} | {r['vision_tokens_per_s']:.0f} | "
+            f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
+            f"{bubble} | {boundary} | {ratio} |"
+        )
     for r in result["rows"]:
         for process, prof in r.get("profile", {}).items():
             top = ", ".join(f"{o['op'][:60]} {o['device_s'] * 1e3:.0f} ms" for o in prof["top_device"][:3])
             who = r["system"] if process == "process" else f"{r['system']} {process}"
-            lines.append(f"\nprofiled {r['patches']} patches, {who}: device busy "
-                         f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s "
-                         f"({prof['device_gaps']['count']} gaps, {prof['device_gaps']['total_s'] * 1e3:.0f} ms); "
-                         f"most device time: {top or 'none (no device)'}")
+            lines.append(
+                f"\nprofiled {r['patches']} patches, {who}: device busy "
+                f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s "
+                f"({prof['device_gaps']['count']} gaps, {prof['device_gaps']['total_s'] * 1e3:.0f} ms); "
+                f"most device time: {top or 'none (no device)'}"
+            )
     for f in result.get("failed_boundaries", []):
         lines.append(f"\npipeline.boundary={f['boundary']} failed at {f['patches']} patches: {f['error'][:300]}")
     if "failed" in result:
@@ -478,8 +578,17 @@ def main(args: argparse.Namespace) -> int:
             write_json(args.json, partial)
         print(table(partial), flush=True)
 
-    result = run(args.quick, args.model, sides, args.steps, args.microbatches, args.precision, finished_side,
-                 args.profile, args.boundaries)
+    result = run(
+        args.quick,
+        args.model,
+        sides,
+        args.steps,
+        args.microbatches,
+        args.precision,
+        finished_side,
+        args.profile,
+        args.boundaries,
+    )
     if args.json:
         write_json(args.json, result)
     if not result["complete"]:
@@ -488,22 +597,41 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("one-gpu", help="dhp (vision + text actor sharing one device) vs a one-process transformers "
-                                       "loop: tokens/s, MFU, peak memory")
-    p.add_argument("--json", default=None, help="write the rows here (after each image size, so a cut-off run keeps "
-                                                "the sizes it finished)")
+    p = sub.add_parser(
+        "one-gpu",
+        help="dhp (vision + text actor sharing one device) vs a one-process transformers "
+        "loop: tokens/s, MFU, peak memory",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the rows here (after each image size, so a cut-off run keeps the sizes it finished)",
+    )
     p.add_argument("--quick", action="store_true", help="one 64-patch image, 2 steps (what CI runs)")
     p.add_argument("--model", default=None, help="a released shape, e.g. qwen2_5_vl_3b (default: tiny)")
     p.add_argument("--sides", default=None, help="image sides in px, comma-separated (default 448,896,1792)")
     p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up (default 20)")
     p.add_argument("--microbatches", type=int, default=2, help="one-image micro-batches per step (default 2)")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="after the measured steps, run this many more (after one warm-up) of the one-process loop "
-                        "and of dhp (its first boundary) under torch.profiler, in dhp's vision and text actors "
-                        "each, and keep the device's busy share and the top operators in the JSON (default 0: none)")
-    p.add_argument("--boundaries", default=("host",), type=_boundaries,
-                   help="pipeline.boundary values to run dhp with, comma-separated, one row each (default host; "
-                        "host,cuda_ipc on a GPU compares Ray's object store with CUDA IPC)")
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16"],
-                   help="model.precision for both systems (default: the preset's if `dhp plan` fits it on the "
-                        "device at the largest side, else bf16)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the measured steps, run this many more (after one warm-up) of the one-process loop "
+        "and of dhp (its first boundary) under torch.profiler, in dhp's vision and text actors "
+        "each, and keep the device's busy share and the top operators in the JSON (default 0: none)",
+    )
+    p.add_argument(
+        "--boundaries",
+        default=("host",),
+        type=_boundaries,
+        help="pipeline.boundary values to run dhp with, comma-separated, one row each (default host; "
+        "host,cuda_ipc on a GPU compares Ray's object store with CUDA IPC)",
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=["fp32", "bf16"],
+        help="model.precision for both systems (default: the preset's if `dhp plan` fits it on the "
+        "device at the largest side, else bf16)",
+    )

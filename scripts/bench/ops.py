@@ -91,17 +91,42 @@ GPU_COLLECTIVE_SIZES = tuple(2**k for k in (16, 20, 24, 27))  # 64 KiB .. 128 Mi
 SHARDED_FIELDS = ("zero3_unit_s", "zero3_s_per_byte", "zero3_optimizer_s_per_tensor", "zero1_step_s_per_tensor")
 
 FIELDS = (  # (key, unit) in the order the table prints them
-    ("name", ""), ("kind", ""), ("device", ""), ("threads", ""), ("devices_per_node", ""), ("memory_gib", "GiB"),
-    ("matmul_tflops", "TFLOP/s"), ("matmul_by_size", "[n, TFLOP/s]"), ("attention_tflops", "TFLOP/s"),
-    ("window_attention_tflops", "TFLOP/s"), ("attention_head_dim", ""), ("attention_by_head_dim", "[d, TFLOP/s]"),
-    ("causal_attention_tflops", "TFLOP/s"), ("attention_backward_ratio", "x"), ("optimizer_s_per_param", "s"),
-    ("memory_passes", ""), ("op_latency_s", "s"), ("memory_gbps", "GB/s"),
-    ("all_reduce_gbps", "GB/s"), ("all_gather_gbps", "GB/s"), ("all_to_all_gbps", "GB/s"),
-    ("collective_latency_s", "s"), ("all_reduce_by_size", "[B, s]"), ("all_gather_by_size", "[B, s]"),
-    ("all_to_all_by_size", "[B, s]"), ("zero3_unit_s", "[fwd, bwd] s"), ("zero3_s_per_byte", "[fwd, bwd] s"),
-    ("zero3_optimizer_s_per_tensor", "s"), ("zero1_step_s_per_tensor", "s"), ("h2d_gbps", "GB/s"),
-    ("object_store_gbps", "GB/s"), ("call_latency_s", "s"),
-    ("efficiency", ""), ("notes", ""), ("quick", ""), ("torch", ""),
+    ("name", ""),
+    ("kind", ""),
+    ("device", ""),
+    ("threads", ""),
+    ("devices_per_node", ""),
+    ("memory_gib", "GiB"),
+    ("matmul_tflops", "TFLOP/s"),
+    ("matmul_by_size", "[n, TFLOP/s]"),
+    ("attention_tflops", "TFLOP/s"),
+    ("window_attention_tflops", "TFLOP/s"),
+    ("attention_head_dim", ""),
+    ("attention_by_head_dim", "[d, TFLOP/s]"),
+    ("causal_attention_tflops", "TFLOP/s"),
+    ("attention_backward_ratio", "x"),
+    ("optimizer_s_per_param", "s"),
+    ("memory_passes", ""),
+    ("op_latency_s", "s"),
+    ("memory_gbps", "GB/s"),
+    ("all_reduce_gbps", "GB/s"),
+    ("all_gather_gbps", "GB/s"),
+    ("all_to_all_gbps", "GB/s"),
+    ("collective_latency_s", "s"),
+    ("all_reduce_by_size", "[B, s]"),
+    ("all_gather_by_size", "[B, s]"),
+    ("all_to_all_by_size", "[B, s]"),
+    ("zero3_unit_s", "[fwd, bwd] s"),
+    ("zero3_s_per_byte", "[fwd, bwd] s"),
+    ("zero3_optimizer_s_per_tensor", "s"),
+    ("zero1_step_s_per_tensor", "s"),
+    ("h2d_gbps", "GB/s"),
+    ("object_store_gbps", "GB/s"),
+    ("call_latency_s", "s"),
+    ("efficiency", ""),
+    ("notes", ""),
+    ("quick", ""),
+    ("torch", ""),
 )
 
 
@@ -170,8 +195,16 @@ def _qkv(device: str, dtype: Any, shape: tuple[int, ...], grad: bool = False) ->
     return tuple(t.requires_grad_(grad) for t in (q, k, v))
 
 
-def attention_tflops(device: str, dtype: Any, length: int, heads: int, head_dim: int, seconds: float,
-                     window: int | None = None, causal: bool = False) -> float:
+def attention_tflops(
+    device: str,
+    dtype: Any,
+    length: int,
+    heads: int,
+    head_dim: int,
+    seconds: float,
+    window: int | None = None,
+    causal: bool = False,
+) -> float:
     """SDPA forward TFLOP/s over `length` tokens: one full sequence, or length/window windows as a batch;
     `causal` counts half the score work (what a causal kernel needs)."""
     import torch.nn.functional as F
@@ -180,8 +213,9 @@ def attention_tflops(device: str, dtype: Any, length: int, heads: int, head_dim:
     shape = (length // span, heads, span, head_dim)
     q, k, v = _qkv(device, dtype, shape)
     flops = shape[0] * 4 * span * span * head_dim * heads / (2 if causal else 1)
-    return best_rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), flops / 1e12, seconds,
-                     _sync_for(device))
+    return best_rate(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), flops / 1e12, seconds, _sync_for(device)
+    )
 
 
 def attention_backward_ratio(device: str, dtype: Any, length: int, heads: int, head_dim: int, seconds: float) -> float:
@@ -255,8 +289,9 @@ def _pairwise_all_to_all(out: Any, inp: Any, rank: int, ranks: int) -> None:
 
     outs, ins = out.chunk(ranks), inp.chunk(ranks)
     outs[rank].copy_(ins[rank])
-    works = [w for peer in range(ranks) if peer != rank
-             for w in (dist.isend(ins[peer], peer), dist.irecv(outs[peer], peer))]
+    works = [
+        w for peer in range(ranks) if peer != rank for w in (dist.isend(ins[peer], peer), dist.irecv(outs[peer], peer))
+    ]
     for w in works:
         w.wait()
 
@@ -293,16 +328,23 @@ def _collectives(rank: int, ranks: int, device: str, nbytes: int, quick: bool) -
         all_to_all = partial(dist.all_to_all_single, out, x)
         notes.append("all_to_all: all_to_all_single (native on this backend)")
     except (RuntimeError, NotImplementedError) as e:
-        notes.append(f"all_to_all_single is not implemented on this backend ({str(e)[:80]}); "
-                     "measured as n-1 pairwise isend/irecv")
+        notes.append(
+            f"all_to_all_single is not implemented on this backend ({str(e)[:80]}); "
+            "measured as n-1 pairwise isend/irecv"
+        )
         all_to_all = partial(_pairwise_all_to_all, out, x, rank, ranks)
     result = {
-        "all_reduce_gbps": _window_rate(lambda: dist.all_reduce(x), sent_bytes("all_reduce", nbytes, ranks) / GB,
-                                        reps, windows, sync),
-        "all_gather_gbps": _window_rate(lambda: gather(out[: len(part) * ranks], part),
-                                        sent_bytes("all_gather", nbytes, ranks) / GB, reps, windows, sync),
-        "all_to_all_gbps": _window_rate(all_to_all, sent_bytes("all_to_all", nbytes, ranks) / GB,
-                                        reps, windows, sync),
+        "all_reduce_gbps": _window_rate(
+            lambda: dist.all_reduce(x), sent_bytes("all_reduce", nbytes, ranks) / GB, reps, windows, sync
+        ),
+        "all_gather_gbps": _window_rate(
+            lambda: gather(out[: len(part) * ranks], part),
+            sent_bytes("all_gather", nbytes, ranks) / GB,
+            reps,
+            windows,
+            sync,
+        ),
+        "all_to_all_gbps": _window_rate(all_to_all, sent_bytes("all_to_all", nbytes, ranks) / GB, reps, windows, sync),
     }
     tiny = torch.zeros(4, device=device)
     samples = []
@@ -312,16 +354,20 @@ def _collectives(rank: int, ranks: int, device: str, nbytes: int, quick: bool) -
         sync()
         samples.append(time.perf_counter() - start)
     result["collective_latency_s"] = statistics.median(samples)
-    sizes = (GPU_COLLECTIVE_SIZES if device.startswith("cuda") else CPU_COLLECTIVE_SIZES)
-    ops = {"all_reduce": lambda t, o: dist.all_reduce(t), "all_to_all": lambda t, o: dist.all_to_all_single(o, t),
-           "all_gather": lambda t, o: gather(o, t[: t.numel() // ranks])}
+    sizes = GPU_COLLECTIVE_SIZES if device.startswith("cuda") else CPU_COLLECTIVE_SIZES
+    ops = {
+        "all_reduce": lambda t, o: dist.all_reduce(t),
+        "all_to_all": lambda t, o: dist.all_to_all_single(o, t),
+        "all_gather": lambda t, o: gather(o, t[: t.numel() // ranks]),
+    }
     for kind, op in ops.items():  # the time of one collective by tensor size: small messages pay more than latency
         curve = []
         for size in sizes:
             t = x[: size // x.element_size()]
             o = out[: t.numel()]
-            curve.append([size, median_latency(lambda t=t, o=o, op=op: op(t, o), reps=5 if quick else 10,
-                                               batches=7, sync=sync)])
+            curve.append(
+                [size, median_latency(lambda t=t, o=o, op=op: op(t, o), reps=5 if quick else 10, batches=7, sync=sync)]
+            )
         result[f"{kind}_by_size"] = curve
     result["notes"] = notes
     return result
@@ -337,8 +383,9 @@ def _collective_worker(rank: int, ranks: int, port: int, backend: str, nbytes: i
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks, timeout=timedelta(seconds=120)
+    )
     try:
         result = _collectives(rank, ranks, device, nbytes, quick)
         if backend == "gloo":  # GPU: NCCL's FSDP2 overlaps its prefetch; the datasheet model stands there
@@ -360,17 +407,23 @@ def measure_collectives(gpu: bool, quick: bool) -> dict[str, Any]:
     from dhp.scripts.local_head import free_ports
 
     if gpu and torch.cuda.device_count() < COMM_RANKS:
-        return {"notes": [f"collectives not measured: {torch.cuda.device_count()} GPU(s), NCCL needs "
-                          f"{COMM_RANKS}"]}
+        return {"notes": [f"collectives not measured: {torch.cuda.device_count()} GPU(s), NCCL needs {COMM_RANKS}"]}
     # GPU: NCCL reaches its bus bandwidth only on large messages
     nbytes = ((64 if quick else 256) if gpu else (1 if quick else 16)) * MiB
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
-        mp.start_processes(_collective_worker, nprocs=COMM_RANKS, start_method="spawn",
-                           args=(COMM_RANKS, free_ports(1)[0], "nccl" if gpu else "gloo", nbytes, quick, str(out)))
+        mp.start_processes(
+            _collective_worker,
+            nprocs=COMM_RANKS,
+            start_method="spawn",
+            args=(COMM_RANKS, free_ports(1)[0], "nccl" if gpu else "gloo", nbytes, quick, str(out)),
+        )
         result = json.loads(out.read_text())
-    result["notes"].insert(0, f"collectives: {COMM_RANKS} processes, {'nccl' if gpu else 'gloo'}, "
-                              f"{nbytes // MiB} MiB messages, 1 torch thread each")
+    result["notes"].insert(
+        0,
+        f"collectives: {COMM_RANKS} processes, {'nccl' if gpu else 'gloo'}, "
+        f"{nbytes // MiB} MiB messages, 1 torch thread each",
+    )
     return result
 
 
@@ -436,8 +489,10 @@ def measure_ray(quick: bool) -> dict[str, Any]:
             ray.shutdown()
     # Ray pickles (copies) a torch tensor unless this is set; the loader's micro-batches are torch tensors.
     zero_copy = os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "").lower() in ("true", "1")
-    result["notes"] = [f"object store: ray.put in the driver + ray.get in an actor of a {nbytes // MiB} MiB "
-                       f"float32 torch tensor ({'zero-copy' if zero_copy else 'pickled: not zero-copy'})"]
+    result["notes"] = [
+        f"object store: ray.put in the driver + ray.get in an actor of a {nbytes // MiB} MiB "
+        f"float32 torch tensor ({'zero-copy' if zero_copy else 'pickled: not zero-copy'})"
+    ]
     return result
 
 
@@ -471,8 +526,10 @@ def measure(quick: bool) -> dict[str, Any]:
         length, heads, head_dim = (8192, 16, 128) if gpu else (1024, 4, 32)
         attention = attention_tflops(device, dtype, length, heads, head_dim, seconds)
         window = attention_tflops(device, dtype, length, heads, head_dim, seconds, window=WINDOW)
-        by_head_dim = [[d, attention_tflops(device, dtype, length, heads, d, seconds)] for d in
-                       ((64, 128) if gpu else (16, 32, 64))]
+        by_head_dim = [
+            [d, attention_tflops(device, dtype, length, heads, d, seconds)]
+            for d in ((64, 128) if gpu else (16, 32, 64))
+        ]
         causal = attention_tflops(device, dtype, length, heads, head_dim, seconds, causal=True)
         backward = attention_backward_ratio(device, dtype, length, heads, head_dim, seconds)
         optimizer = optimizer_s_per_param(device, seconds)
@@ -482,11 +539,14 @@ def measure(quick: bool) -> dict[str, Any]:
         h2d = h2d_gbps(256 * MiB, seconds) if gpu else memory / 2
     finally:
         torch.set_num_threads(threads)
-    notes = [f"compute: 1 torch thread, {str(dtype).removeprefix('torch.')}; rates are the best of short windows",
-             f"memory_gbps: a {copy_bytes // MiB} MiB copy, read + write bytes"]
+    notes = [
+        f"compute: 1 torch thread, {str(dtype).removeprefix('torch.')}; rates are the best of short windows",
+        f"memory_gbps: a {copy_bytes // MiB} MiB copy, read + write bytes",
+    ]
     if not gpu:
-        notes.append("h2d_gbps: no device; memory_gbps / 2, the cost per direction of a host copy between "
-                     "processes' buffers")
+        notes.append(
+            "h2d_gbps: no device; memory_gbps / 2, the cost per direction of a host copy between processes' buffers"
+        )
     comm, store = measure_collectives(gpu, quick), measure_ray(quick)
     profile = {
         "name": f"measured:{torch.cuda.get_device_name() if gpu else socket.gethostname()}",
@@ -513,14 +573,24 @@ def measure(quick: bool) -> dict[str, Any]:
         "quick": quick,
         "torch": torch.__version__,
     }
-    for key in ("all_reduce_gbps", "all_gather_gbps", "all_to_all_gbps", "collective_latency_s",
-                "all_reduce_by_size", "all_gather_by_size", "all_to_all_by_size", *SHARDED_FIELDS):
+    for key in (
+        "all_reduce_gbps",
+        "all_gather_gbps",
+        "all_to_all_gbps",
+        "collective_latency_s",
+        "all_reduce_by_size",
+        "all_gather_by_size",
+        "all_to_all_by_size",
+        *SHARDED_FIELDS,
+    ):
         profile[key] = comm.get(key)
     for key in ("object_store_gbps", "call_latency_s"):
         profile[key] = store.get(key)
     if gpu:
-        profile["notes"].append("efficiency.vision_forward/vision_backward/text: not measured on a GPU (the "
-                                "reference stage's tiny widths are launch-bound there)")
+        profile["notes"].append(
+            "efficiency.vision_forward/vision_backward/text: not measured on a GPU (the "
+            "reference stage's tiny widths are launch-bound there)"
+        )
     else:
         from dhp.scripts.bench.ops_stages import measure_stages
 

@@ -80,13 +80,19 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
 
     reps = 5 if quick else 10
     with tempfile.TemporaryDirectory() as tmp:
-        config, _, sample = deep_sample(Path(tmp), image=IMAGE, text_layers=TEXT_LAYERS, vision_depth=DEPTH,
-                                        save=False)
+        config, _, sample = deep_sample(Path(tmp), image=IMAGE, text_layers=TEXT_LAYERS, vision_depth=DEPTH, save=False)
     ids = sample["input_ids"][None]
     merged = int(sample["image_grid_thw"].prod()) // 4
-    inputs = {"vision": (sample["pixel_values"], sample["image_grid_thw"].reshape(1, 3)),
-              "text": (ids, torch.zeros(merged, config.text_config.hidden_size, requires_grad=True),
-                       sample["position_ids"].reshape(3, 1, -1), torch.ones_like(ids), sample["labels"][None])}
+    inputs = {
+        "vision": (sample["pixel_values"], sample["image_grid_thw"].reshape(1, 3)),
+        "text": (
+            ids,
+            torch.zeros(merged, config.text_config.hidden_size, requires_grad=True),
+            sample["position_ids"].reshape(3, 1, -1),
+            torch.ones_like(ids),
+            sample["labels"][None],
+        ),
+    }
     overhead, units, nbytes = {}, {}, {}
     for stage, cls in (("vision", VisionModel), ("text", TextModel)):
         torch.manual_seed(0)
@@ -112,12 +118,16 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
         per_unit.append(a)
         per_byte.append(max(0.0, (o_t - u_t * a) / b_t))
     return {
-        "zero3_unit_s": per_unit, "zero3_s_per_byte": per_byte,
+        "zero3_unit_s": per_unit,
+        "zero3_s_per_byte": per_byte,
         "zero3_optimizer_s_per_tensor": max(0.0, dtensor_step - plain_step) / tensors,
         "zero1_step_s_per_tensor": max(0.0, zero1_step - plain_step) / tensors,
-        "notes": [f"zero3/zero1: FSDP2 (apply_zero3) and ZeroRedundancyOptimizer on {ranks} ranks on the reference "
-                  f"stages (vision {u_v} units, {b_v / 1e6:.1f} MB; text {u_t} units, {b_t / 1e6:.1f} MB): sharded "
-                  "minus unsharded medians, ms [fwd, bwd] vision "
-                  + "/".join(f"{x * 1e3:.0f}" for x in overhead["vision"]) + ", text "
-                  + "/".join(f"{x * 1e3:.0f}" for x in overhead["text"])],
+        "notes": [
+            f"zero3/zero1: FSDP2 (apply_zero3) and ZeroRedundancyOptimizer on {ranks} ranks on the reference "
+            f"stages (vision {u_v} units, {b_v / 1e6:.1f} MB; text {u_t} units, {b_t / 1e6:.1f} MB): sharded "
+            "minus unsharded medians, ms [fwd, bwd] vision "
+            + "/".join(f"{x * 1e3:.0f}" for x in overhead["vision"])
+            + ", text "
+            + "/".join(f"{x * 1e3:.0f}" for x in overhead["text"])
+        ],
     }

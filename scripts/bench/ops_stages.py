@@ -46,8 +46,11 @@ def _prediction(model_config: Any, sample: dict, prof_raw: dict[str, Any]) -> di
     w = Workload(patches, length - patches // 4)
     cfg = load_config("tiny", BASE + [f"data.microbatch_tokens={length}", f"data.max_seq_len={length}"])
     fwd, bwd = vision_calls(cfg, model_config, prof, w)
-    return {"vision_forward": fwd.compute, "vision_backward": bwd.compute,
-            "text": text_call(cfg, model_config, prof, w).compute}
+    return {
+        "vision_forward": fwd.compute,
+        "vision_backward": bwd.compute,
+        "text": text_call(cfg, model_config, prof, w).compute,
+    }
 
 
 def _time_steps(model_config: Any, sample: dict, steps: int) -> tuple[dict[str, float], float, int]:
@@ -96,15 +99,21 @@ def measure_stages(prof_raw: dict[str, Any], quick: bool) -> dict[str, Any]:
     from dhp.scripts.bench.time_model import deep_sample
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_config, _, sample = deep_sample(Path(tmp), image=IMAGE, text_layers=TEXT_LAYERS, vision_depth=DEPTH,
-                                              save=False)
+        model_config, _, sample = deep_sample(
+            Path(tmp), image=IMAGE, text_layers=TEXT_LAYERS, vision_depth=DEPTH, save=False
+        )
     measured, optimizer, params = _time_steps(model_config, sample, 2 if quick else 4)
     predicted = _prediction(model_config, sample, prof_raw)
     patches = int(sample["image_grid_thw"].prod())
-    note = (f"efficiency.vision_forward/vision_backward/text: the op model's compute / the measured call on a "
-            f"reference stage (tiny widths, {DEPTH} ViT blocks, {TEXT_LAYERS} decoder layers, {patches} patches + "
-            f"{len(sample['input_ids']) - patches // 4} text tokens); measured ms "
-            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in measured.items())
-            + f"; optimizer_s_per_param: the AdamW step after real backward passes ({params / 1e6:.1f} M params)")
-    return {"efficiency": {k: predicted[k] / measured[k] for k in measured},
-            "optimizer_s_per_param": optimizer / params, "notes": [note]}
+    note = (
+        f"efficiency.vision_forward/vision_backward/text: the op model's compute / the measured call on a "
+        f"reference stage (tiny widths, {DEPTH} ViT blocks, {TEXT_LAYERS} decoder layers, {patches} patches + "
+        f"{len(sample['input_ids']) - patches // 4} text tokens); measured ms "
+        + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in measured.items())
+        + f"; optimizer_s_per_param: the AdamW step after real backward passes ({params / 1e6:.1f} M params)"
+    )
+    return {
+        "efficiency": {k: predicted[k] / measured[k] for k in measured},
+        "optimizer_s_per_param": optimizer / params,
+        "notes": [note],
+    }

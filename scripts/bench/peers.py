@@ -49,8 +49,13 @@ from typing import Any
 from dhp.scripts.results import write_json
 
 N_RANKS = 4
-BASE = ["vision.num_cpus_per_actor=0.25", "text.num_cpus_per_actor=0.25", "training.warmup_steps=0",
-        "vision.activation_checkpointing=full", "text.activation_checkpointing=full"]
+BASE = [
+    "vision.num_cpus_per_actor=0.25",
+    "text.num_cpus_per_actor=0.25",
+    "training.warmup_steps=0",
+    "vision.activation_checkpointing=full",
+    "text.activation_checkpointing=full",
+]
 SERIAL, PIPELINED = ["pipeline.max_in_flight=1"], ["pipeline.max_in_flight=3"]
 GOAL_LONGER = 4.0  # dhp sequence / tensor trains images >= this many times longer than DeepSpeed ZeRO-3
 
@@ -59,8 +64,14 @@ def systems(n: int) -> dict[str, list[str] | None]:
     sp = ["vision.parallelism=sequence", f"vision.num_actors={n}", f"vision.degree={n}"]
     vtp = ["vision.parallelism=tensor", f"vision.num_actors={n}", f"vision.degree={n}"]
     tp = ["text.parallelism=tensor", f"text.num_actors={n}", f"text.degree={n}"]
-    zero3 = ["vision.parallelism=zero3", f"vision.num_actors={n}", "vision.degree=1",
-             "text.parallelism=zero3", f"text.num_actors={n}", "text.degree=1"]
+    zero3 = [
+        "vision.parallelism=zero3",
+        f"vision.num_actors={n}",
+        "vision.degree=1",
+        "text.parallelism=zero3",
+        f"text.num_actors={n}",
+        "text.degree=1",
+    ]
     return {
         "deepspeed zero3": None,
         "dhp zero3 / zero3": zero3 + SERIAL,
@@ -78,8 +89,10 @@ def gpu_settings(n: int, gpus: int) -> list[str]:
     if not gpus:
         return []
     if n > gpus:
-        raise ValueError(f"--ranks {n} needs {n} GPUs (NCCL puts one rank of a group on each GPU) and this machine "
-                         f"has {gpus}: pass --ranks {gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) for the CPU run")
+        raise ValueError(
+            f"--ranks {n} needs {n} GPUs (NCCL puts one rank of a group on each GPU) and this machine "
+            f"has {gpus}: pass --ranks {gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) for the CPU run"
+        )
     return ["vision.num_gpus_per_actor=0.5", "text.num_gpus_per_actor=0.5", "pipeline.placement=shared"]
 
 
@@ -99,12 +112,23 @@ def _rank_memory(worker: Any) -> dict[str, int]:
     """Runs inside a stage actor: its model state (parameters, gradients of the same size, Adam moments) and
     its process's peak RSS."""
     state = worker.state_bytes()
-    return {"state": 2 * state["params"] + state["optimizer"],
-            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "state": 2 * state["params"] + state["optimizer"],
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
-def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict, sides: list[int], cap: int,
-            steps: int, work: Path) -> dict[str, Any]:
+def run_dhp(
+    overrides: list[str],
+    n: int,
+    ckpt: Path,
+    config: Any,
+    timing: dict,
+    sides: list[int],
+    cap: int,
+    steps: int,
+    work: Path,
+) -> dict[str, Any]:
     import ray
 
     from dhp.scripts.bench.time_model import global_batches
@@ -113,9 +137,18 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
     from dhp.stages.trainer import Trainer
 
     longest = patches(max(sides, default=0)) // 4 + 256 if sides else len(timing["input_ids"])
-    cfg = load_config("tiny", BASE + overrides + [
-        f"model.path={ckpt}", f"data.microbatch_tokens={longest}", f"data.max_seq_len={longest}",
-        f"training.global_batch_size={n}"] + gpu_settings(n, _gpus()))
+    cfg = load_config(
+        "tiny",
+        BASE
+        + overrides
+        + [
+            f"model.path={ckpt}",
+            f"data.microbatch_tokens={longest}",
+            f"data.max_seq_len={longest}",
+            f"training.global_batch_size={n}",
+        ]
+        + gpu_settings(n, _gpus()),
+    )
     trainer = Trainer(cfg, model_config=config)
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
@@ -124,8 +157,10 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
             """One step on `sample`: (worst rank's state + kept bytes, worst rank's kept bytes)."""
             ray.get([a.measure_activations.remote(True) for a in actors])
             trainer.train_step(global_batches(sample, cfg, config, n // trainer.dp, trainer.dp))
-            kept = [max((r.get("step_bytes", r["bytes"]) for r in recs), default=0)  # text: logits and loss too
-                    for recs in ray.get([a.measure_activations.remote(False) for a in actors])]
+            kept = [
+                max((r.get("step_bytes", r["bytes"]) for r in recs), default=0)  # text: logits and loss too
+                for recs in ray.get([a.measure_activations.remote(False) for a in actors])
+            ]
             state = [m["state"] for m in ray.get([a.__ray_call__.remote(_rank_memory) for a in actors])]
             return max(s + k for s, k in zip(state, kept)), max(kept)
 
@@ -149,9 +184,15 @@ def run_dhp(overrides: list[str], n: int, ckpt: Path, config: Any, timing: dict,
         memory = ray.get([a.__ray_call__.remote(_rank_memory) for a in actors])
     finally:
         trainer.shutdown()
-    return {"step_s": statistics.median(times[1:] or times), "steps_s": times, "peak_activation_bytes": kept,
-            "peak_rss_bytes": max(m["rss"] for m in memory), "state_bytes": max(m["state"] for m in memory),
-            "probes": probes, "largest_side": largest}
+    return {
+        "step_s": statistics.median(times[1:] or times),
+        "steps_s": times,
+        "peak_activation_bytes": kept,
+        "peak_rss_bytes": max(m["rss"] for m in memory),
+        "state_bytes": max(m["state"] for m in memory),
+        "probes": probes,
+        "largest_side": largest,
+    }
 
 
 def _gpus() -> int:
@@ -160,27 +201,56 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_deepspeed(n: int, ckpt: Path, timing: dict, sides: list[int], cap: int, steps: int,
-                  work: Path) -> dict[str, Any]:
+def run_deepspeed(
+    n: int, ckpt: Path, timing: dict, sides: list[int], cap: int, steps: int, work: Path
+) -> dict[str, Any]:
     import torch
 
     from dhp.scripts.peers.deepspeed_zero3 import launch
 
     torch.save([timing], work / "timing.pt")
-    out = launch(n, ["--model", str(ckpt), "--samples", str(work / "timing.pt"), "--out", str(work / "ds.json"),
-                     "--steps", str(steps + 1), "--activation-checkpointing", "--cap-bytes", str(cap),
-                     "--probe-sides", ",".join(map(str, sides)), "--work", str(work / "ds-images")])
+    out = launch(
+        n,
+        [
+            "--model",
+            str(ckpt),
+            "--samples",
+            str(work / "timing.pt"),
+            "--out",
+            str(work / "ds.json"),
+            "--steps",
+            str(steps + 1),
+            "--activation-checkpointing",
+            "--cap-bytes",
+            str(cap),
+            "--probe-sides",
+            ",".join(map(str, sides)),
+            "--work",
+            str(work / "ds-images"),
+        ],
+    )
     times = [s["seconds"] for s in out["steps"] if not s["measured"]]
-    return {"step_s": statistics.median(times[1:] or times), "steps_s": times,
-            "peak_activation_bytes": max(r["peak_saved_bytes"] for r in out["ranks"]),
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in out["ranks"]),
-            "state_bytes": out["state_bytes_per_rank"], "probes": out["probes"], "largest_side": out["largest_side"],
-            "initialize_s": out["initialize_s"], "jit_built": out["jit_built"], "deepspeed": out["deepspeed"],
-            "config": out["config"]}
+    return {
+        "step_s": statistics.median(times[1:] or times),
+        "steps_s": times,
+        "peak_activation_bytes": max(r["peak_saved_bytes"] for r in out["ranks"]),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in out["ranks"]),
+        "state_bytes": out["state_bytes_per_rank"],
+        "probes": out["probes"],
+        "largest_side": out["largest_side"],
+        "initialize_s": out["initialize_s"],
+        "jit_built": out["jit_built"],
+        "deepspeed": out["deepspeed"],
+        "config": out["config"],
+    }
 
 
-def run(quick: bool, n: int | None = None, cap_gib: float | None = None,
-        on_system: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run(
+    quick: bool,
+    n: int | None = None,
+    cap_gib: float | None = None,
+    on_system: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Every system in turn. `on_system` is handed the result so far after each (`complete` false until the
     last; goals only once their systems have run), so a run cut off by a time limit keeps what it measured."""
     import torch
@@ -206,11 +276,17 @@ def run(quick: bool, n: int | None = None, cap_gib: float | None = None,
         init_ray(load_config("tiny", [f"ray.num_cpus={max(8, 2 * n + 2)}"]))
         for name, overrides in systems(n).items():
             start = time.perf_counter()
-            row = (run_deepspeed(n, work / "ckpt", timing, sides, cap, steps, work) if overrides is None
-                   else run_dhp(overrides, n, work / "ckpt", config, timing, sides, cap, steps, work))
-            row.update(name=name, wall_s=time.perf_counter() - start,
-                       vision_tokens_per_s=n * patches(side) / row["step_s"],
-                       largest_patches=patches(row["largest_side"]) if row["largest_side"] else None)
+            row = (
+                run_deepspeed(n, work / "ckpt", timing, sides, cap, steps, work)
+                if overrides is None
+                else run_dhp(overrides, n, work / "ckpt", config, timing, sides, cap, steps, work)
+            )
+            row.update(
+                name=name,
+                wall_s=time.perf_counter() - start,
+                vision_tokens_per_s=n * patches(side) / row["step_s"],
+                largest_patches=patches(row["largest_side"]) if row["largest_side"] else None,
+            )
             results[name] = row
             print(f"  {name}: {row['step_s']:.2f} s/step, largest {row['largest_patches']} patches", flush=True)
             if on_system:
@@ -219,8 +295,9 @@ def run(quick: bool, n: int | None = None, cap_gib: float | None = None,
     return summary(results, n, quick, side, sides, cap, config, complete=True)
 
 
-def summary(results: dict[str, dict], n: int, quick: bool, side: int, sides: list[int], cap: int, config: Any,
-            complete: bool) -> dict[str, Any]:
+def summary(
+    results: dict[str, dict], n: int, quick: bool, side: int, sides: list[int], cap: int, config: Any, complete: bool
+) -> dict[str, Any]:
     """The JSON of the systems in `results`; the goals are None until the systems they compare have run."""
     import torch
 
@@ -234,21 +311,35 @@ def summary(results: dict[str, dict], n: int, quick: bool, side: int, sides: lis
         longer_met = (longer or 0) >= GOAL_LONGER
     not_slower = None
     if all(k in results for k in ("dhp tensor / tensor", serial, pipelined)):
-        not_slower = all(results[k]["step_s"] <= results["dhp tensor / tensor"]["step_s"] * 1.05
-                         for k in (serial, pipelined))
+        not_slower = all(
+            results[k]["step_s"] <= results["dhp tensor / tensor"]["step_s"] * 1.05 for k in (serial, pipelined)
+        )
     return {
         "complete": complete,
-        "device": (f"{_gpus()} x {torch.cuda.get_device_name()} (GPU timings; one rank per GPU)" if _gpus()
-                   else f"cpu ({platform.machine()}, CPU timings)"), "ranks": n, "quick": quick,
-        "image_side_px": side, "image_patches": patches(side), "sides_searched": sides, "cap_bytes": cap,
+        "device": (
+            f"{_gpus()} x {torch.cuda.get_device_name()} (GPU timings; one rank per GPU)"
+            if _gpus()
+            else f"cpu ({platform.machine()}, CPU timings)"
+        ),
+        "ranks": n,
+        "quick": quick,
+        "image_side_px": side,
+        "image_patches": patches(side),
+        "sides_searched": sides,
+        "cap_bytes": cap,
         "cap_rule": "per rank: model state (params + grads + Adam moments as that rank holds them) + bytes its "
-                    "autograd kept in the step (saved-tensor hooks); a probe fits when its worst rank is within",
-        "model": {"vision_depth": config.vision_config.depth, "fullatt": config.vision_config.fullatt_block_indexes,
-                  "text_layers": config.text_config.num_hidden_layers, "precision": "fp32",
-                  "activation_checkpointing": "full"},
+        "autograd kept in the step (saved-tensor hooks); a probe fits when its worst rank is within",
+        "model": {
+            "vision_depth": config.vision_config.depth,
+            "fullatt": config.vision_config.fullatt_block_indexes,
+            "text_layers": config.text_config.num_hidden_layers,
+            "precision": "fp32",
+            "activation_checkpointing": "full",
+        },
         "systems": list(results.values()),
         "goals": {
-            "longer_than_deepspeed": longer, "longer_goal": GOAL_LONGER,
+            "longer_than_deepspeed": longer,
+            "longer_goal": GOAL_LONGER,
             "longer_met": longer_met,
             "sp_tp_not_slower_than_uniform_tp": not_slower,
         },
@@ -256,17 +347,23 @@ def summary(results: dict[str, dict], n: int, quick: bool, side: int, sides: lis
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{result['ranks']} ranks, {result['image_patches']}-patch image, cap "
-             f"{result['cap_bytes'] / 2**30:.2f} GiB per rank, {result['device']}",
-             f"{'system':34} {'step s':>7} {'vis tok/s':>9} {'act MiB':>8} {'RSS MiB':>8} {'largest':>8}"]
+    lines = [
+        f"{result['ranks']} ranks, {result['image_patches']}-patch image, cap "
+        f"{result['cap_bytes'] / 2**30:.2f} GiB per rank, {result['device']}",
+        f"{'system':34} {'step s':>7} {'vis tok/s':>9} {'act MiB':>8} {'RSS MiB':>8} {'largest':>8}",
+    ]
     for r in result["systems"]:
         largest = r["largest_patches"] if r["largest_patches"] else "-"
-        lines.append(f"{r['name']:34} {r['step_s']:7.2f} {r['vision_tokens_per_s']:9.0f} "
-                     f"{r['peak_activation_bytes'] / 2**20:8.1f} {r['peak_rss_bytes'] / 2**20:8.0f} {largest:>8}")
+        lines.append(
+            f"{r['name']:34} {r['step_s']:7.2f} {r['vision_tokens_per_s']:9.0f} "
+            f"{r['peak_activation_bytes'] / 2**20:8.1f} {r['peak_rss_bytes'] / 2**20:8.0f} {largest:>8}"
+        )
     g = result["goals"]
-    lines.append(f"sequence/tensor trains {g['longer_than_deepspeed'] or 0:.1f}x longer images than DeepSpeed "
-                 f"ZeRO-3 (goal {g['longer_goal']:g}x); not slower than uniform TP: "
-                 f"{g['sp_tp_not_slower_than_uniform_tp']}")
+    lines.append(
+        f"sequence/tensor trains {g['longer_than_deepspeed'] or 0:.1f}x longer images than DeepSpeed "
+        f"ZeRO-3 (goal {g['longer_goal']:g}x); not slower than uniform TP: "
+        f"{g['sp_tp_not_slower_than_uniform_tp']}"
+    )
     return "\n".join(lines)
 
 

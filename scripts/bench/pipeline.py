@@ -48,10 +48,28 @@ PAD_ID = 151643  # <|endoftext|>, as the loader pads
 # M=16 makes fill + drain ~1/M of a step; the unit puts a light pool at ~30 ms per micro-batch, far above
 # the ~1 ms a Ray call costs. Quick (the test): 3 micro-batches, small models, depth capped, < 60 s.
 # `calibrate`: the two depths timed; far apart, since a text layer costs ~5 ms against a ~100 ms floor.
-FULL = dict(microbatches=16, steps=5, warmup=2, unit_s=0.03, cap=48, calibrate=(1, 9), vision_hidden=128,
-            vision_inter=512, text_inter=1024)
-QUICK = dict(microbatches=3, steps=2, warmup=1, unit_s=0.005, cap=4, calibrate=(1, 3), vision_hidden=64,
-             vision_inter=128, text_inter=176)
+FULL = dict(
+    microbatches=16,
+    steps=5,
+    warmup=2,
+    unit_s=0.03,
+    cap=48,
+    calibrate=(1, 9),
+    vision_hidden=128,
+    vision_inter=512,
+    text_inter=1024,
+)
+QUICK = dict(
+    microbatches=3,
+    steps=2,
+    warmup=1,
+    unit_s=0.005,
+    cap=4,
+    calibrate=(1, 3),
+    vision_hidden=64,
+    vision_inter=128,
+    text_inter=176,
+)
 
 
 def model_config(preset: dict, depth: int, layers: int):
@@ -62,14 +80,21 @@ def model_config(preset: dict, depth: int, layers: int):
     from dhp.models.architectures import ARCHITECTURES, architecture_config
 
     tiny, base = ARCHITECTURES["tiny"], architecture_config("tiny")
-    vision = dict(tiny["vision"], depth=depth, hidden_size=preset["vision_hidden"],
-                  intermediate_size=preset["vision_inter"], fullatt_block_indexes=list(range(1, depth, 2)),
-                  out_hidden_size=tiny["text"]["hidden_size"])
-    text = dict(tiny["text"], num_hidden_layers=layers, intermediate_size=preset["text_inter"],
-                tie_word_embeddings=True)
+    vision = dict(
+        tiny["vision"],
+        depth=depth,
+        hidden_size=preset["vision_hidden"],
+        intermediate_size=preset["vision_inter"],
+        fullatt_block_indexes=list(range(1, depth, 2)),
+        out_hidden_size=tiny["text"]["hidden_size"],
+    )
+    text = dict(
+        tiny["text"], num_hidden_layers=layers, intermediate_size=preset["text_inter"], tie_word_embeddings=True
+    )
     ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, tie_word_embeddings=True,
-                              **{k: getattr(base, k) for k in ids})
+    config = Qwen2_5_VLConfig(
+        vision_config=vision, text_config=text, tie_word_embeddings=True, **{k: getattr(base, k) for k in ids}
+    )
     config._attn_implementation = "sdpa"
     return config
 
@@ -80,8 +105,9 @@ def load_samples(n: int, root: Path) -> list[dict]:
     from dhp.dataflow.synth import write_synthetic_dataset
     from dhp.models.architectures import architecture_config
 
-    s = write_synthetic_dataset(root / "synth", n, eval_num=0, min_size=224, max_size=224,
-                                multi_image_fraction=0.0, multi_turn_fraction=0.0)
+    s = write_synthetic_dataset(
+        root / "synth", n, eval_num=0, min_size=224, max_size=224, multi_image_fraction=0.0, multi_turn_fraction=0.0
+    )
     pre = Preprocessor(PreprocessSettings(str(s.out_dir), 56 * 56, 224 * 224, 1024), architecture_config("tiny"))
     lines = s.train_path.read_text().splitlines()
     return [decode_sample(pre({"source": "bench", "record": line})["sample"]) for line in lines]
@@ -163,8 +189,13 @@ def plan(fits: dict, unit: float, cap: int) -> dict[str, tuple[int, int, float]]
     return dict(zip(SCENARIOS, (balanced, vision_heavy, text_heavy)))
 
 
-STEP_CALLS = (("vision", "forward"), ("vision", "backward"), ("text", "forward_backward"),
-              ("vision", "optimizer_step"), ("text", "optimizer_step"))
+STEP_CALLS = (
+    ("vision", "forward"),
+    ("vision", "backward"),
+    ("text", "forward_backward"),
+    ("vision", "optimizer_step"),
+    ("text", "optimizer_step"),
+)
 
 
 def step_numbers(metrics: dict, events: list[dict], wall: tuple[float, float]) -> dict:
@@ -217,14 +248,21 @@ def plot_timelines(panels: list[tuple[str, list[dict], tuple[float, float]]], pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"forward": "tab:blue", "backward": "tab:cyan", "forward_backward": "tab:orange",
-               "optimizer_step": "tab:gray"}
+    colours = {
+        "forward": "tab:blue",
+        "backward": "tab:cyan",
+        "forward_backward": "tab:orange",
+        "optimizer_step": "tab:gray",
+    }
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.3 * len(panels)), squeeze=False)
     for ax, (title, events, (t0, t1)) in zip(axes[:, 0], panels):
         for y, stage in enumerate(("text", "vision")):
             for name, colour in colours.items():
-                bars = [(e["start"] - t0, e["end"] - e["start"]) for e in events
-                        if e["stage"] == stage and e["rank"] == 0 and e["name"] == name]
+                bars = [
+                    (e["start"] - t0, e["end"] - e["start"])
+                    for e in events
+                    if e["stage"] == stage and e["rank"] == 0 and e["name"] == name
+                ]
                 ax.broken_barh(bars, (y - 0.4, 0.8), color=colour, label=name if y == 1 or stage == "text" else None)
         ax.set_yticks([0, 1], ["text", "vision"])
         ax.set_xlim(0, t1 - t0)
@@ -244,11 +282,23 @@ def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | No
     from dhp.stages.trainer import Trainer
 
     (depth, layers, intended), m = plan_row, len(batch.microbatches)
-    pools = [f"{s}.{kv}" for s in ("vision", "text") for kv in
-             ("parallelism=none", "num_actors=1", "degree=1", "num_cpus_per_actor=1", "torch_threads=1")]
-    cfg = load_config("tiny", [*pools, "pipeline.placement=disjoint", "pipeline.trace=true",
-                               f"training.global_batch_size={m}", "training.steps=100000", "training.warmup_steps=0",
-                               "training.lr=1e-6"])  # the model barely moves: every step costs the same
+    pools = [
+        f"{s}.{kv}"
+        for s in ("vision", "text")
+        for kv in ("parallelism=none", "num_actors=1", "degree=1", "num_cpus_per_actor=1", "torch_threads=1")
+    ]
+    cfg = load_config(
+        "tiny",
+        [
+            *pools,
+            "pipeline.placement=disjoint",
+            "pipeline.trace=true",
+            f"training.global_batch_size={m}",
+            "training.steps=100000",
+            "training.warmup_steps=0",
+            "training.lr=1e-6",
+        ],
+    )  # the model barely moves: every step costs the same
     trainer = Trainer(cfg, model_config=model_config(preset, depth, layers))
     res, texts = {}, [f"{name}: vision depth {depth}, text layers {layers}"]
     try:
@@ -269,21 +319,40 @@ def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | No
         return simulate(pipeline_schedule(m, k), s["vision_forward"], tt, s["vision_backward"]).makespan + s["tail_s"]
 
     row = dict(
-        scenario=name, microbatches=m, vision_depth=depth, text_layers=layers, intended_tv_over_tt=intended,
-        tv_over_tt=tv / tt, vision_ms_per_mb=tv * 1e3, text_ms_per_mb=tt * 1e3, **alone,
-        serial_step_s=s["step_time_s"], pipelined_step_s=p["step_time_s"], predicted_step_s=predicted(2),
-        predicted_serial_step_s=predicted(1), ratio_to_max=p["step_time_s"] / bound,
-        serial_ratio=s["step_time_s"] / bound, speedup=s["step_time_s"] / p["step_time_s"],
-        driver_overhead_ms=p["driver_ms_per_microbatch"], driver_overhead_ms_serial=s["driver_ms_per_microbatch"],
-        serial_vision_s=s["vision_s"], serial_text_s=s["text_s"], pipelined_vision_s=p["vision_s"],
-        pipelined_text_s=p["text_s"], serial_tail_s=s["tail_s"], pipelined_tail_s=p["tail_s"],
-        serial_loss=s["loss"], pipelined_loss=p["loss"],
+        scenario=name,
+        microbatches=m,
+        vision_depth=depth,
+        text_layers=layers,
+        intended_tv_over_tt=intended,
+        tv_over_tt=tv / tt,
+        vision_ms_per_mb=tv * 1e3,
+        text_ms_per_mb=tt * 1e3,
+        **alone,
+        serial_step_s=s["step_time_s"],
+        pipelined_step_s=p["step_time_s"],
+        predicted_step_s=predicted(2),
+        predicted_serial_step_s=predicted(1),
+        ratio_to_max=p["step_time_s"] / bound,
+        serial_ratio=s["step_time_s"] / bound,
+        speedup=s["step_time_s"] / p["step_time_s"],
+        driver_overhead_ms=p["driver_ms_per_microbatch"],
+        driver_overhead_ms_serial=s["driver_ms_per_microbatch"],
+        serial_vision_s=s["vision_s"],
+        serial_text_s=s["text_s"],
+        pipelined_vision_s=p["vision_s"],
+        pipelined_text_s=p["text_s"],
+        serial_tail_s=s["tail_s"],
+        pipelined_tail_s=p["tail_s"],
+        serial_loss=s["loss"],
+        pipelined_loss=p["loss"],
         **{f"{mode}_{k}": res[mode][k] for mode, _ in MODES for k in ("vision_busy", "text_busy", "bubble")},
     )
     row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
-    row["goal"] = dict(ratio_to_max=row["ratio_to_max"] <= GOAL_RATIO,
-                       speedup=row["speedup"] >= GOAL_SPEEDUP if name == "balanced" else None,
-                       driver_overhead=row["driver_overhead_ms"] <= GOAL_OVERHEAD_MS)
+    row["goal"] = dict(
+        ratio_to_max=row["ratio_to_max"] <= GOAL_RATIO,
+        speedup=row["speedup"] >= GOAL_SPEEDUP if name == "balanced" else None,
+        driver_overhead=row["driver_overhead_ms"] <= GOAL_OVERHEAD_MS,
+    )
     return row, texts
 
 
@@ -310,8 +379,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="3 micro-batches, 2 steps, small models (< 60 s)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5, quick 2)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12, quick 3)")
-    p.add_argument("--scenario", action="append", choices=[*SCENARIOS, "vision_bound_scaling"], default=None,
-                   help="run only this scenario (repeatable; default: all four)")
+    p.add_argument(
+        "--scenario",
+        action="append",
+        choices=[*SCENARIOS, "vision_bound_scaling"],
+        default=None,
+        help="run only this scenario (repeatable; default: all four)",
+    )
     return p.parse_args(argv)
 
 
@@ -340,8 +414,11 @@ def main(args=None) -> int:
 
         samples = load_samples(scaling.samples_needed(preset["microbatches"]), Path(tmp))
         fits = calibrate(samples[0], preset, reps=1 if args.quick else 3)
-        print("calibration, seconds per micro-batch = a + b * depth: "
-              + ", ".join(f"{s} a={a * 1e3:.1f} ms b={b * 1e3:.2f} ms" for s, (a, b) in fits.items()), flush=True)
+        print(
+            "calibration, seconds per micro-batch = a + b * depth: "
+            + ", ".join(f"{s} a={a * 1e3:.1f} ms b={b * 1e3:.2f} ms" for s, (a, b) in fits.items()),
+            flush=True,
+        )
         if own_ray:
             # 4 logical CPUs on 2 cores: the trainer's resource check also reserves CPU for data loaders,
             # which are not started here (the batch is built in this process); the pools take 1 CPU each
@@ -349,7 +426,7 @@ def main(args=None) -> int:
             local_ray_on_loopback()
             ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:
-            batch = global_batch(samples[:preset["microbatches"]])
+            batch = global_batch(samples[: preset["microbatches"]])
             chosen = args.scenario or [*SCENARIOS, "vision_bound_scaling"]
             for name in (n for n in SCENARIOS if n in chosen):
                 row, text = run_scenario(name, plan(fits, preset["unit_s"], preset["cap"])[name], preset, batch, out)
@@ -393,6 +470,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny measured set (for tests)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 5)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 12)")
-    p.add_argument("--scenario", action="append", default=None,
-                      choices=["balanced", "vision_heavy", "text_heavy", "vision_bound_scaling"],
-                      help="run only this scenario (repeatable; default: all four)")
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=None,
+        choices=["balanced", "vision_heavy", "text_heavy", "vision_bound_scaling"],
+        help="run only this scenario (repeatable; default: all four)",
+    )

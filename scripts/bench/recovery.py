@@ -50,14 +50,34 @@ SAMPLES = 16  # synthetic training records: with a global batch of 4, an epoch i
 HANG_TIMEOUT_S = 20
 
 
-def start_run(out: Path, name: str, steps: int, checkpoint_every: int, *extra: str,
-              env: dict[str, str] | None = None) -> Run:
-    cmd = [sys.executable, "-m", "dhp.stages.cli", "train", f"output.dir={out}/runs", f"output.name={name}",
-           f"data.synthetic.dir={out}/synth", f"data.synthetic.num={SAMPLES}", "data.synthetic.eval_num=4",
-           f"training.steps={steps}", f"training.checkpoint_every={checkpoint_every}", "training.eval_every=0",
-           "training.eval_batches=1", "training.global_batch_size=4", "training.warmup_steps=2", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+def start_run(
+    out: Path, name: str, steps: int, checkpoint_every: int, *extra: str, env: dict[str, str] | None = None
+) -> Run:
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.stages.cli",
+        "train",
+        f"output.dir={out}/runs",
+        f"output.name={name}",
+        f"data.synthetic.dir={out}/synth",
+        f"data.synthetic.num={SAMPLES}",
+        "data.synthetic.eval_num=4",
+        f"training.steps={steps}",
+        f"training.checkpoint_every={checkpoint_every}",
+        "training.eval_every=0",
+        "training.eval_batches=1",
+        "training.global_batch_size=4",
+        "training.warmup_steps=2",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
     return Run(proc, out / "runs" / name)
 
 
@@ -188,8 +208,16 @@ def _node_fault(out: Path, steps: int, every: int, at: int) -> Fault:
     cluster = LocalCluster(head_cpus=2)
     try:
         nodes = [cluster.add("vision", 1, {"vision_node": 2}), cluster.add("text", 1, {"text_node": 2})]
-        run = start_run(out, "node", steps, every, f"ray.address={cluster.address}", "pipeline.placement=disjoint",
-                        "vision.resources={vision_node: 1}", "text.resources={text_node: 1}")
+        run = start_run(
+            out,
+            "node",
+            steps,
+            every,
+            f"ray.address={cluster.address}",
+            "pipeline.placement=disjoint",
+            "vision.resources={vision_node: 1}",
+            "text.resources={text_node: 1}",
+        )
         run.wait_for_step(at)
         cluster.kill("text")
         fault = Fault(run, time.time(), run.steps_done(), runs=[run], nodes=nodes)
@@ -256,11 +284,14 @@ def main(args: argparse.Namespace) -> int:
             for run in Run.started:
                 if run.proc.poll() is None:
                     run.proc.kill()  # its local Ray goes with it (Ray's reaper)
-    print(f"{'fault':8s} {'detect_s':>9} {'recover_s':>10} {'steps_redone':>12} {'losses_equal':>12} "
-          f"{'samples_ok':>10}")
+    print(
+        f"{'fault':8s} {'detect_s':>9} {'recover_s':>10} {'steps_redone':>12} {'losses_equal':>12} {'samples_ok':>10}"
+    )
     for r in rows:
-        print(f"{r['kind']:8s} {r['detect_s']:>9.2f} {r['recover_s']:>10.2f} {r['steps_redone']:>12d} "
-              f"{str(r['losses_equal']):>12} {str(r['samples_ok']):>10}")
+        print(
+            f"{r['kind']:8s} {r['detect_s']:>9.2f} {r['recover_s']:>10.2f} {r['steps_redone']:>12d} "
+            f"{str(r['losses_equal']):>12} {str(r['samples_ok']):>10}"
+        )
     if args.json:
         write_json(args.json, [{k: v for k, v in r.items() if k != "output" or args.keep} for r in rows])
     return 0

@@ -31,9 +31,16 @@ from typing import Any
 from dhp.scripts.results import report
 
 IMAGE = (896, 448)  # pixels: 64 x 32 patches of 14
-BASE = ["vision.parallelism=none", "vision.num_actors=1", "vision.degree=1",
-        "text.parallelism=none", "text.num_actors=1", "text.degree=1",
-        "vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
+BASE = [
+    "vision.parallelism=none",
+    "vision.num_actors=1",
+    "vision.degree=1",
+    "text.parallelism=none",
+    "text.num_actors=1",
+    "text.degree=1",
+    "vision.num_cpus_per_actor=0.5",
+    "text.num_cpus_per_actor=0.5",
+]
 SERIAL, PIPELINED = ["pipeline.max_in_flight=1"], ["pipeline.max_in_flight=3"]
 SP2 = ["vision.parallelism=sequence", "vision.num_actors=2", "vision.degree=2"]
 VTP2 = ["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"]
@@ -51,8 +58,9 @@ OVERSUBSCRIBED: dict[str, list[str]] = {"sequence 2 / tensor 2, pipelined": SP2 
 TOLERANCE = 0.20
 
 
-def deep_sample(root: Path, image: tuple[int, int] = IMAGE, text_layers: int = 12,
-                vision_depth: int = 16, save: bool = True) -> tuple[Any, Path | None, dict]:
+def deep_sample(
+    root: Path, image: tuple[int, int] = IMAGE, text_layers: int = 12, vision_depth: int = 16, save: bool = True
+) -> tuple[Any, Path | None, dict]:
     """(model config, a seeded checkpoint of it (None unless `save`), one preprocessed one-image sample of
     `image` (width, height) pixels) under `root`."""
     import torch
@@ -70,8 +78,13 @@ def deep_sample(root: Path, image: tuple[int, int] = IMAGE, text_layers: int = 1
     rng = torch.Generator().manual_seed(0)
     pixels = torch.randint(0, 256, (image[1], image[0], 3), generator=rng, dtype=torch.uint8).numpy()
     Image.fromarray(pixels).save(root / "a.png")
-    record = {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nDescribe it."},
-                                                  {"from": "gpt", "value": "Noise in many colours."}]}
+    record = {
+        "image": "a.png",
+        "conversations": [
+            {"from": "human", "value": "<image>\nDescribe it."},
+            {"from": "gpt", "value": "Noise in many colours."},
+        ],
+    }
     settings = PreprocessSettings(str(root), min_pixels=56 * 56, max_pixels=image[0] * image[1], max_seq_len=4096)
     sample = decode_sample(Preprocessor(settings, config)({"source": "t", "record": json.dumps(record)})["sample"])
     return config, ckpt, sample
@@ -93,27 +106,40 @@ def global_batches(sample: dict, cfg: Any, model_config: Any, per_replica: int, 
     return [GlobalBatch([mb] * per_replica, epoch=0) for _ in range(replicas)]
 
 
-def measure_step(overrides: list[str], ckpt: Path, model_config: Any, sample: dict, microbatches: int,
-                 steps: int) -> dict[str, Any]:
+def measure_step(
+    overrides: list[str], ckpt: Path, model_config: Any, sample: dict, microbatches: int, steps: int
+) -> dict[str, Any]:
     """Median seconds of `steps` optimizer steps after one warm-up, and the config they ran."""
     from dhp.stages.config import load_config
     from dhp.stages.trainer import Trainer
 
     length = len(sample["input_ids"])
-    cfg = load_config("tiny", BASE + overrides + [
-        f"model.path={ckpt}", f"data.microbatch_tokens={length}", f"data.max_seq_len={length}",
-        f"training.global_batch_size={microbatches}", "training.warmup_steps=0", "pipeline.trace=true"])
+    cfg = load_config(
+        "tiny",
+        BASE
+        + overrides
+        + [
+            f"model.path={ckpt}",
+            f"data.microbatch_tokens={length}",
+            f"data.max_seq_len={length}",
+            f"training.global_batch_size={microbatches}",
+            "training.warmup_steps=0",
+            "pipeline.trace=true",
+        ],
+    )
     trainer = Trainer(cfg, model_config=model_config)
     try:
-        times, calls = timed_steps(trainer, global_batches(sample, cfg, model_config, microbatches // trainer.dp,
-                                                           trainer.dp), steps)
+        times, calls = timed_steps(
+            trainer, global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp), steps
+        )
     finally:
         trainer.shutdown()
     return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}
 
 
-def timed_steps(trainer: Any, batches: list[Any], steps: int,
-                metrics: list[dict] | None = None) -> tuple[list[float], dict[str, float]]:
+def timed_steps(
+    trainer: Any, batches: list[Any], steps: int, metrics: list[dict] | None = None
+) -> tuple[list[float], dict[str, float]]:
     """Seconds of 1 + `steps` training steps on `batches` (the first a warm-up), and the median seconds of each
     stage call (`stage.name`) over the measured ones: the model's per-call costs (`pipeline.trace=true`; else {}).
     `metrics`, if given, receives each step's `train_step` metrics."""
@@ -131,8 +157,9 @@ def timed_steps(trainer: Any, batches: list[Any], steps: int,
     return times, {k: statistics.median(v) for k, v in sorted(calls.items())}
 
 
-def run(profile_path: str | None, quick: bool, steps: int | None = None,
-        configs: dict[str, list[str]] | None = None) -> dict[str, Any]:
+def run(
+    profile_path: str | None, quick: bool, steps: int | None = None, configs: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
     import ray
 
     from dhp.models.planning.hardware import profile as load_profile
@@ -159,15 +186,34 @@ def run(profile_path: str | None, quick: bool, steps: int | None = None,
             for name, overrides in chosen.items():
                 m = measure_step(overrides, ckpt, model_config, sample, microbatches, steps or (2 if quick else 3))
                 p = predict(prepare(m["cfg"], prof, None, w), model_config, prof, w)
-                rows.append({"config": name, "overrides": overrides, "checked": name not in OVERSUBSCRIBED,
-                             "measured_s": m["measured_s"], "steps_s": m["steps_s"], "predicted_s": p["step_s"],
-                             "ratio": p["step_s"] / m["measured_s"], "per_call_s": p["per_call_s"],
-                             "measured_calls_s": m["calls_s"],
-                             "parts_s": p["parts_s"], "bubble_s": p["bubble_s"]})
-                print(f"{name}: measured {m['measured_s']:.3f} s, predicted {p['step_s']:.3f} s; calls measured "
-                      f"{_ms(m['calls_s'])}, predicted {_ms(p['per_call_s'])}", flush=True)
-            return {"profile": prof.to_dict(), "image_patches": patches, "text_tokens": w.text_tokens,
-                    "microbatches": microbatches, "tolerance": TOLERANCE, "rows": rows}
+                rows.append(
+                    {
+                        "config": name,
+                        "overrides": overrides,
+                        "checked": name not in OVERSUBSCRIBED,
+                        "measured_s": m["measured_s"],
+                        "steps_s": m["steps_s"],
+                        "predicted_s": p["step_s"],
+                        "ratio": p["step_s"] / m["measured_s"],
+                        "per_call_s": p["per_call_s"],
+                        "measured_calls_s": m["calls_s"],
+                        "parts_s": p["parts_s"],
+                        "bubble_s": p["bubble_s"],
+                    }
+                )
+                print(
+                    f"{name}: measured {m['measured_s']:.3f} s, predicted {p['step_s']:.3f} s; calls measured "
+                    f"{_ms(m['calls_s'])}, predicted {_ms(p['per_call_s'])}",
+                    flush=True,
+                )
+            return {
+                "profile": prof.to_dict(),
+                "image_patches": patches,
+                "text_tokens": w.text_tokens,
+                "microbatches": microbatches,
+                "tolerance": TOLERANCE,
+                "rows": rows,
+            }
     finally:
         if started:
             ray.shutdown()
@@ -178,13 +224,18 @@ def _ms(calls: dict[str, float]) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{result['microbatches']} micro-batches of one {result['image_patches']}-patch image + "
-             f"{result['text_tokens']} text tokens; profile {result['profile']['name']}", "",
-             "| configuration | measured s | predicted s | predicted / measured | busy actors <= cores |",
-             "|---|---:|---:|---:|---|"]
+    lines = [
+        f"{result['microbatches']} micro-batches of one {result['image_patches']}-patch image + "
+        f"{result['text_tokens']} text tokens; profile {result['profile']['name']}",
+        "",
+        "| configuration | measured s | predicted s | predicted / measured | busy actors <= cores |",
+        "|---|---:|---:|---:|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['config']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['ratio']:.2f} | "
-                     f"{'yes' if r['checked'] else 'no'} |")
+        lines.append(
+            f"| {r['config']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['ratio']:.2f} | "
+            f"{'yes' if r['checked'] else 'no'} |"
+        )
     return "\n".join(lines)
 
 

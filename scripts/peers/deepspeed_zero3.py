@@ -80,8 +80,11 @@ def fill_auto(config: dict[str, Any], world: int, precision: str, max_grad_norm:
 
 
 def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    return [kv for k, v in d.items() for kv in (_leaves(v, f"{prefix}{k}.") if isinstance(v, dict)
-                                                else [(f"{prefix}{k}", v)])]
+    return [
+        kv
+        for k, v in d.items()
+        for kv in (_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)])
+    ]
 
 
 def hf_batch(sample: dict, dtype: Any) -> dict[str, Any]:
@@ -89,9 +92,14 @@ def hf_batch(sample: dict, dtype: Any) -> dict[str, Any]:
     from dhp.dataflow.packing import text_inputs, vision_inputs
 
     v, t = vision_inputs([sample]), text_inputs([sample], pad_id=151643)
-    return dict(input_ids=t["input_ids"], attention_mask=t["attention_mask"], labels=t["labels"],
-                pixel_values=v["pixel_values"].to(dtype), image_grid_thw=v["image_grid_thw"],
-                mm_token_type_ids=(t["input_ids"] == 151655).int())
+    return dict(
+        input_ids=t["input_ids"],
+        attention_mask=t["attention_mask"],
+        labels=t["labels"],
+        pixel_values=v["pixel_values"].to(dtype),
+        image_grid_thw=v["image_grid_thw"],
+        mm_token_type_ids=(t["input_ids"] == 151655).int(),
+    )
 
 
 def _extensions() -> set[str]:
@@ -125,16 +133,15 @@ def rank_main(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     dtype = precision_of(args.precision).param_dtype
     hidden = AutoConfig.from_pretrained(args.model).text_config.hidden_size
-    ds_config = fill_auto(json.loads(Path(args.config).read_text()), world, args.precision, args.max_grad_norm,
-                          hidden)
+    ds_config = fill_auto(json.loads(Path(args.config).read_text()), world, args.precision, args.max_grad_norm, hidden)
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 (must stay alive: from_pretrained reads it -> zero.Init)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, dtype=dtype,
-                                                               attn_implementation=args.attn)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps,
-                                  weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=args.adam_eps, weight_decay=args.weight_decay
+    )
     start = time.perf_counter()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     init_s += time.perf_counter() - start
@@ -164,13 +171,21 @@ def rank_main(args: argparse.Namespace) -> None:
         peak_saved = max(peak_saved, saved_bytes)
         parts = torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
         dist.all_reduce(parts)
-        steps.append({"loss": (parts[0] / parts[1]).item(), "seconds": seconds, "measured": measured,
-                      "rank_loss": loss.item(), "rank_tokens": tokens})
+        steps.append(
+            {
+                "loss": (parts[0] / parts[1]).item(),
+                "seconds": seconds,
+                "measured": measured,
+                "rank_loss": loss.item(),
+                "rank_tokens": tokens,
+            }
+        )
 
     # ZeRO-3 state on this rank: its partition of every parameter, with its gradient and Adam's two moments
     # (fp32: 4 + 4 + 8 bytes an element; bf16 with fp32 master weights comes to the same 16)
-    state_bytes = 16 * sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
-                           for p in engine.module.parameters())
+    state_bytes = 16 * sum(
+        p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters()
+    )
     probes: list[dict[str, int]] = []
 
     def fits(side: int) -> bool:
@@ -186,18 +201,32 @@ def rank_main(args: argparse.Namespace) -> None:
     largest = largest_fitting(fits, sides) if sides else None
 
     per_rank = [None] * world
-    mine = {"rank": rank, "peak_saved_bytes": peak_saved,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-            "first_loss": steps[0]["rank_loss"] if steps else None}
+    mine = {
+        "rank": rank,
+        "peak_saved_bytes": peak_saved,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "first_loss": steps[0]["rank_loss"] if steps else None,
+    }
     dist.all_gather_object(per_rank, mine)
     if rank == 0:
-        out = {"system": "deepspeed-zero3", "deepspeed": deepspeed.__version__, "world": world,
-               "device": "cuda" if cuda else "cpu", "precision": args.precision,
-               "activation_checkpointing": args.activation_checkpointing, "config": ds_config,
-               "initialize_s": init_s, "jit_built": jit, "steps": steps, "ranks": per_rank,
-               "state_bytes_per_rank": state_bytes, "cap_bytes": args.cap_bytes, "probes": probes,
-               "largest_side": largest}
+        out = {
+            "system": "deepspeed-zero3",
+            "deepspeed": deepspeed.__version__,
+            "world": world,
+            "device": "cuda" if cuda else "cpu",
+            "precision": args.precision,
+            "activation_checkpointing": args.activation_checkpointing,
+            "config": ds_config,
+            "initialize_s": init_s,
+            "jit_built": jit,
+            "steps": steps,
+            "ranks": per_rank,
+            "state_bytes_per_rank": state_bytes,
+            "cap_bytes": args.cap_bytes,
+            "probes": probes,
+            "largest_side": largest,
+        }
         Path(args.out).write_text(json.dumps(out, indent=1))
     dist.barrier()
     dist.destroy_process_group()
@@ -215,8 +244,15 @@ def launch(world: int, argv: list[str], timeout_s: float = 1200) -> dict[str, An
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         procs.append(subprocess.Popen([sys.executable, "-m", "dhp.scripts.peers.deepspeed_zero3", *argv], env=env))
     try:
         codes = [p.wait(timeout=timeout_s) for p in procs]
@@ -245,8 +281,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--probe-sides", default="", help="after the steps: image sides (px, ascending) to climb "
-                   "for the largest image that fits --cap-bytes (scripts/peers/probe.py)")
+    p.add_argument(
+        "--probe-sides",
+        default="",
+        help="after the steps: image sides (px, ascending) to climb "
+        "for the largest image that fits --cap-bytes (scripts/peers/probe.py)",
+    )
     p.add_argument("--cap-bytes", type=int, default=0, help="per-rank cap: ZeRO-3 state + kept activations")
     p.add_argument("--work", default=".", help="where the probes' images are written")
     return p.parse_args(argv)
@@ -257,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.launch:
         i = argv.index("--launch")
-        result = launch(args.launch, argv[:i] + argv[i + 2:])
-        print(json.dumps({"losses": [s["loss"] for s in result["steps"]],
-                          "seconds": [s["seconds"] for s in result["steps"]]}))
+        result = launch(args.launch, argv[:i] + argv[i + 2 :])
+        print(
+            json.dumps(
+                {"losses": [s["loss"] for s in result["steps"]], "seconds": [s["seconds"] for s in result["steps"]]}
+            )
+        )
         return 0
     rank_main(args)
     return 0

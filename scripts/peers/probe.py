@@ -37,10 +37,16 @@ def image_sample(config: Any, side: int, root: Path) -> dict:
     pixels = torch.randint(0, 256, (side, side, 3), generator=rng, dtype=torch.uint8).numpy()
     root.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels).save(root / f"{side}.png")
-    record = {"image": f"{side}.png", "conversations": [{"from": "human", "value": "<image>\nDescribe it."},
-                                                        {"from": "gpt", "value": "Noise in many colours."}]}
-    settings = PreprocessSettings(str(root), min_pixels=56 * 56, max_pixels=side * side,
-                                  max_seq_len=patches(side) // 4 + 256)
+    record = {
+        "image": f"{side}.png",
+        "conversations": [
+            {"from": "human", "value": "<image>\nDescribe it."},
+            {"from": "gpt", "value": "Noise in many colours."},
+        ],
+    }
+    settings = PreprocessSettings(
+        str(root), min_pixels=56 * 56, max_pixels=side * side, max_seq_len=patches(side) // 4 + 256
+    )
     out = Preprocessor(settings, config)({"source": "probe", "record": json.dumps(record)})
     assert not out["error"], out["error"]
     return decode_sample(out["sample"])
