@@ -25,8 +25,8 @@ On the wire (between the actors, through Ray's object store) each shard and each
 and hands it to the reader without one (pickle 5 out-of-band buffers, the reader maps the store's memory);
 a torch tensor goes through torch's own pickling (`torch.save` into bytes, then Ray's copies). For a 4 096 x
 3 584 bf16 shard (the 7B at 16 k patches, 29 MB) on this 2-core machine: store 20 ms instead of ~65, read
-0.5 ms instead of ~24 (`to_wire` / `from_wire`; measured in docs/benchmarks.md). The H200 run of 2026-11-26
-spent 164 ms per micro-batch in Ray's part of the boundary at 16 k patches with plain tensors.
+0.5 ms instead of ~24 (`to_wire` / `from_wire`; `dhp bench boundary`, docs/pipelining.md). On an H200 the
+7B at 16 k patches spent 164 ms per micro-batch in Ray's part of the boundary with plain tensors (docs/gpu.md).
 
 How they travel is `pipeline.boundary`, one `Transport` object the workers and pools ask (`transport_of`):
   host      (default) a `WireTensor` through Ray's object store: one device->host copy on the sender, one

@@ -1,8 +1,9 @@
 """Typed run configuration: YAML presets in `configs/` plus `KEY=VALUE` overrides, checked up front.
 
-Every key is a dataclass field with a type and a one-line doc (the README's config reference is these
-comments). An unknown key, a wrong type or an out-of-range value stops the run before Ray starts, with a
-message that names the key, the expected type and the file the value came from.
+Every key is a dataclass field with a type and a comment on its declaration: docs/configuration.md is
+generated from these comments (scripts/config_reference.py). An unknown key, a wrong type or an
+out-of-range value stops the run before Ray starts, with a message that names the key, the expected type
+and the file the value came from.
 """
 
 from __future__ import annotations

@@ -89,6 +89,9 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
         and "file_system_monitor.cc" not in line
     ]
     assert not noisy, noisy[:5]
+    # The console is dhp's: no Ray notices at the start, no Ray Data advice blocks while the streams run.
+    for notice in ("Started a local Ray instance", "Token authentication is enabled", "consider setting `memory="):
+        assert notice not in output, notice
     # What is placed where is printed at start: two ranks per pool, sharing bundles.
     assert "placement: shared" in proc.stdout and proc.stdout.count("vision rank") == 2
     assert (tmp_path / "synth" / "train.jsonl").exists() and (tmp_path / "synth" / "val.jsonl").exists()
