@@ -78,16 +78,10 @@ def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
     Image.fromarray(pixels).save(path)
 
 
-@pytest.fixture(scope="session")
-def parity_data(tmp_path_factory) -> Path:
-    """Two images of different sizes: a two-image multi-turn conversation, a one-image and a text-only sample.
-
-    A window of the vision encoder is 112 px (8 x 8 patches of 14 px). Image a is 30 x 34 patches: 4 x 5 windows,
-    the last row and column partial (6 and 2 patches), so that a missing inverse window permutation at the
-    boundary (tokens left in window order) moves the first step's loss by 2.2e-5 relative under sp2-tp2, 20x the
-    parity tests' 1e-6 (an 8 x 10-patch image, two windows, moves it by 5e-6). Image b fits inside one window."""
-    root = tmp_path_factory.mktemp("parity_data")
-    write_image(root / "images/a.png", (476, 420), seed=1)  # 420 x 476 px after smart_resize: 30 x 34 patches
+def write_parity_data(root: Path, size_a: tuple[int, int]) -> Path:
+    """Image a of `size_a` px and a smaller image b: a two-image multi-turn conversation, a one-image and a
+    text-only sample."""
+    write_image(root / "images/a.png", size_a, seed=1)
     write_image(root / "images/b.png", (60, 90), seed=2)  # smaller: fewer patches than a window
     records = [
         {
@@ -120,9 +114,8 @@ def parity_data(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def parity_setup(tmp_path_factory, parity_data):
-    """A seeded tiny Qwen2.5-VL saved as an HF checkpoint, and the parity samples preprocessed."""
+def preprocessed_parity_setup(tmp_path_factory, data: Path, max_pixels: int):
+    """A seeded tiny Qwen2.5-VL saved as an HF checkpoint, and the samples of `data` preprocessed."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
@@ -133,11 +126,37 @@ def parity_setup(tmp_path_factory, parity_data):
     ref = Qwen2_5_VLForConditionalGeneration(model_config).float().train()
     ckpt = tmp_path_factory.mktemp("ckpt")
     ref.save_pretrained(ckpt)
-    settings = PreprocessSettings(str(parity_data), min_pixels=56 * 56, max_pixels=448 * 448, max_seq_len=1024)
+    settings = PreprocessSettings(str(data), min_pixels=56 * 56, max_pixels=max_pixels, max_seq_len=1024)
     pre = Preprocessor(settings, model_config)
-    lines = (parity_data / "train.jsonl").read_text().splitlines()
+    lines = (data / "train.jsonl").read_text().splitlines()
     samples = [decode_sample(pre({"source": "t", "record": line})["sample"]) for line in lines]
     return ref, ckpt, samples
+
+
+@pytest.fixture(scope="session")
+def parity_data(tmp_path_factory) -> Path:
+    """The layouts' parity samples. A window of the vision encoder is 112 px (8 x 8 patches of 14 px). Image a is
+    30 x 34 patches: 4 x 5 windows, the last row and column partial (6 and 2 patches), so that a missing inverse
+    window permutation at the boundary (tokens left in window order) moves the first step's loss by 2.2e-5
+    relative under sp2-tp2, 20x the parity tests' 1e-6 (an 8 x 10-patch image, two windows, moves it by 5e-6).
+    Image b fits inside one window."""
+    # 420 x 476 px after smart_resize: 30 x 34 patches
+    return write_parity_data(tmp_path_factory.mktemp("parity_data"), (476, 420))
+
+
+@pytest.fixture(scope="session")
+def parity_setup(tmp_path_factory, parity_data):
+    """The tiny model and the layouts' parity samples (`parity_data`)."""
+    return preprocessed_parity_setup(tmp_path_factory, parity_data, max_pixels=448 * 448)
+
+
+@pytest.fixture(scope="session")
+def small_parity_setup(tmp_path_factory):
+    """The tiny model and samples whose image a is 8 x 10 patches: for comparisons against another library's
+    training (peft's LoRA), whose small factor gradients carry the summation order's rounding (a relative 3e-5 on
+    `lora_A` at step 2 with 30 x 34 patches) rather than a layout's; the window order is checked by `parity_setup`."""
+    data = write_parity_data(tmp_path_factory.mktemp("small_parity_data"), (150, 100))  # 112 x 140 px
+    return preprocessed_parity_setup(tmp_path_factory, data, max_pixels=224 * 224)
 
 
 class S3Endpoint:

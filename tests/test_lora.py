@@ -62,7 +62,7 @@ def peft_reference(ref, trainer):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_lora_matches_peft(parity_setup, ray_session, tmp_path, case):
+def test_lora_matches_peft(small_parity_setup, ray_session, tmp_path, case):
     from peft import PeftModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -83,9 +83,9 @@ def test_lora_matches_peft(parity_setup, ray_session, tmp_path, case):
         )
         base_grads["text"] = stats
 
-    params = check_parity(parity_setup, tmp_path, layout + LORA, replicas, probe, reference=peft_reference)
+    params = check_parity(small_parity_setup, tmp_path, layout + LORA, replicas, probe, reference=peft_reference)
     assert all(n == 0 and has_opt for n, has_opt in base_grads["text"])  # base frozen, factors stepped
-    initial = parity_setup[0].state_dict()
+    initial = small_parity_setup[0].state_dict()
     for name, t in params.items():
         if name.startswith(("model.language_model.", "lm_head.")) and ".lora_" not in name:
             assert torch.equal(t, initial[name]), f"frozen base {name} changed"
@@ -93,7 +93,7 @@ def test_lora_matches_peft(parity_setup, ray_session, tmp_path, case):
 
     # the export's adapter directory: peft loads it onto the base and computes the merged model
     adapter = tmp_path / "export" / "adapter"
-    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(parity_setup[1]).float()
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(small_parity_setup[1]).float()
     peft_model = PeftModel.from_pretrained(base, adapter)
     merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "export").float()
     with torch.no_grad():
