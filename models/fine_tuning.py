@@ -36,15 +36,12 @@ transformers model (`model.visual.merger.ln_q.weight`), so the single-process re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from dhp.errors import ConfigError
 from dhp.models.lora import is_lora_factor
-
-if TYPE_CHECKING:
-    from dhp.stages.config import Config
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,7 @@ class FineTuning:
     """The run's fine-tuning choices (`vision.*` / `text.*` keys above), checked when built: a choice that
     cannot run raises ConfigError naming the key."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Any):  # a stages.config.Config
         v, t, tr = cfg.vision, cfg.text, cfg.training
         if v.train == "none" and t.train == "none":
             raise ConfigError("vision.train=none and text.train=none: nothing would train")

@@ -16,6 +16,7 @@ import dataclasses
 import io
 import sys
 import tokenize
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -70,32 +71,32 @@ def _default(f: dataclasses.Field) -> str:
     return repr(f.default_factory())
 
 
-def rows(cls: type, docs: dict[tuple[str, str], str], prefix: str = "") -> list[tuple[str, str, str, str, type]]:
-    """(key, type, default, doc, declaring class) of every leaf key under `cls`, in declaration order."""
+def rows(cls: type, docs: dict[tuple[str, str], str], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) of every leaf key under `cls`, in declaration order."""
     out = []
-    hints = __import__("typing").get_type_hints(cls)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         owner = next(c for c in cls.__mro__ if f.name in getattr(c, "__annotations__", {}))
         doc = docs.get((owner.__name__, f.name), "")
         factory = f.default_factory
         if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
-            out.append((f"{prefix}{f.name}", "section", "", doc, owner))
+            out.append((f"{prefix}{f.name}", "section", "", doc))
             out += rows(factory, docs, f"{prefix}{f.name}.")
         else:
-            out.append((f"{prefix}{f.name}", _type_name(hints[f.name]), _default(f), doc, owner))
+            out.append((f"{prefix}{f.name}", _type_name(hints[f.name]), _default(f), doc))
     return out
 
 
 def undocumented() -> list[str]:
     """Keys whose declaration carries no comment."""
     docs = field_docs(Path(config_module.__file__).read_text())
-    return [key for key, kind, _, doc, _ in rows(config_module.Config, docs) if not doc and kind != "section"]
+    return [key for key, kind, _, doc in rows(config_module.Config, docs) if not doc and kind != "section"]
 
 
 def render() -> str:
     docs = field_docs(Path(config_module.__file__).read_text())
     parts = [HEADER]
-    for key, kind, default, doc, _ in rows(config_module.Config, docs):
+    for key, kind, default, doc in rows(config_module.Config, docs):
         cell = doc.replace("|", "\\|")
         if kind == "section":
             depth = "##" if "." not in key else "###"

@@ -6,21 +6,18 @@ so `dhp train`, `dhp plan` and the planner refuse the same configurations with t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from dhp.errors import ConfigError
 
-if TYPE_CHECKING:
-    from dhp.stages.config import Config
 
-
-def replicas(cfg: Config, stage: str) -> int:
+def replicas(cfg: Any, stage: str) -> int:
     """Data-parallel replicas of a pool: its actors / its degree (the text pool's = sample streams)."""
     s = getattr(cfg, stage)
     return s.num_actors // s.degree
 
 
-def check_layout(cfg: Config, model_config=None) -> None:
+def check_layout(cfg: Any, model_config=None) -> None:
     """Refuse, before anything starts, layouts that cannot run, saying what would.
 
     Each layout class says what it needs (`check_degree`; with the model's config, `check_shape`: vision
