@@ -167,6 +167,18 @@ class StageWorker(DistributedWorker):
         self._synced = False  # gradients summed over data-parallel replicas for this step?
         self._measured: list[dict[str, int]] | None = None  # measure_activations' records while it is on
 
+    def reconfigure(self, cfg: Config, model_config: Any) -> None:
+        """Drop this rank's model and optimizer and build `cfg`'s in their place, on the process groups this
+        actor already joined (`Trainer.reuse`): a new run from step 0, as a new actor would start it. The
+        build seeds torch's generator (models/stage_build.py), so nothing of the previous run's draws carries
+        over."""
+        self._measuring_changed(False)
+        self.model = self.optimizer = self.scheduler = None
+        self.cfg, self.model_config = cfg, model_config
+        self.stage_cfg = getattr(cfg, self.stage)
+        self.step_ledger = StepLedger(self.stage, self.rank // self.stage_cfg.degree, self.rank)
+        self.setup()
+
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
 

@@ -57,6 +57,24 @@ def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
     return architecture_config(cfg.model.name, cfg.model.attn_implementation)
 
 
+def pool_shape(cfg: Config) -> tuple:
+    """What fixes a trainer's actors and process groups (a trainer of another config with the same shape can
+    take them over: `Trainer.reuse`): per pool its actors, degree and per-actor resources and threads, the
+    placement mode, and whether the boundary uses Ray Direct Transport (an actor option)."""
+    stages = tuple(
+        (
+            s.num_actors,
+            s.degree,
+            s.num_cpus_per_actor,
+            s.num_gpus_per_actor,
+            s.torch_threads,
+            tuple(sorted(s.resources.items())),
+        )
+        for s in (cfg.vision, cfg.text)
+    )
+    return stages, cfg.pipeline.placement_mode.name, cfg.pipeline.transport.direct
+
+
 class Trainer:
     def __init__(
         self,
@@ -154,6 +172,32 @@ class Trainer:
         pool.transport = transport
         pool.trains = self.fine_tuning.trains(stage)
         return pool
+
+    def reuse(self, cfg: Config, model_config: Qwen2_5_VLConfig | None = None) -> None:
+        """Become a new trainer of `cfg` (step 0) on the actors and process groups this one already has.
+
+        Starting a pool costs a process per rank and its torch and transformers imports (about 5 CPU-s each);
+        a run of another config on pools of the same shape (`pool_shape`: actors, degrees, resources,
+        placement) needs none of that, only each rank's model and optimizer built again. For trainers fed
+        batches by the caller (no data streams); raises ValueError otherwise or when the shapes differ."""
+        if pool_shape(cfg) != pool_shape(self.cfg):
+            raise ValueError(f"pools of another shape: {pool_shape(cfg)} vs {pool_shape(self.cfg)}")
+        if self._all_loaders():
+            raise ValueError("a trainer with data streams cannot be reused")
+        self.cfg, self.model_config = cfg, model_config or model_config_of(cfg)
+        check_layout(cfg, self.model_config)
+        self.fine_tuning = FineTuning(cfg)
+        self.clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
+        self.clock.new_attempt()
+        self.ledger.clear()
+        # every rank of both pools at once: a layout's build runs collectives within its pool
+        rebuilt = [a.reconfigure.remote(cfg, self.model_config) for _, pool in self.pools() for a in pool.actors]
+        ray.get(rebuilt)
+        for stage, pool in self.pools():
+            pool.layout = stage_layout(cfg, stage, self.model_config)
+            pool.transport = cfg.pipeline.transport
+            pool.trains = self.fine_tuning.trains(stage)
+        self.events, self.step, self._backwards, self._eval_batches = [], 0, [], None
 
     def pools(self) -> list[tuple[str, VisionPool | TextPool]]:
         return [("vision", self.vision), ("text", self.text)]

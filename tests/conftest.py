@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,13 +23,17 @@ def ray_session():
     """A local Ray shared by the tests that need one; always shut down."""
     import ray
 
-    # Logical CPUs: the parity layouts place up to 10 small actors on this 2-core machine. address="local": always
-    # a new Ray of its own, never a `ray start` head another run on this machine left as the latest cluster.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: the parity layouts place up to 10 small actors on this 2-core machine, and the trainers kept
+    # between tests (`TrainerCache`) hold theirs. address="local": always a new Ray of its own, never a `ray
+    # start` head another run on this machine left as the latest cluster.
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
-        ray.shutdown()
+        try:
+            _TRAINERS.clear()
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +48,75 @@ def quick_ops_profile(ray_session, tmp_path_factory):
     assert main(argparse.Namespace(json=str(path), quick=True)) == 0
     assert ray_session.is_initialized()
     return path
+
+
+class TrainerCache:
+    """Trainers kept between tests, so that one of the same pool shape is rebuilt on the same actors
+    (`Trainer.reuse`) instead of starting a process per rank (about 5 CPU-s of imports each on 2 cores).
+
+    `with trainers.use(cfg) as trainer:` gives a trainer of `cfg` at step 0; a test that passes keeps it for the
+    next, one that fails shuts it down (its state is not to be trusted). Kept trainers hold their pools'
+    resources, so the oldest are shut down when a new one would not fit, and all of them before a test that
+    does not ask for this fixture (`pytest_runtest_setup` below)."""
+
+    KEEP = 3
+
+    def __init__(self) -> None:
+        self.kept: list = []
+        self.built = self.reused = 0
+
+    @contextlib.contextmanager
+    def use(self, cfg, **kwargs):
+        from dhp.stages.trainer import Trainer, pool_shape
+
+        same = [t for t in self.kept if pool_shape(t.cfg) == pool_shape(cfg)]
+        if same and not kwargs:
+            trainer = same[-1]
+            self.kept.remove(trainer)
+            trainer.reuse(cfg)
+            self.reused += 1
+        else:
+            self._make_room(cfg)
+            trainer = Trainer(cfg, **kwargs)
+            self.built += 1
+        try:
+            yield trainer
+        except BaseException:
+            trainer.shutdown()
+            raise
+        self.kept.append(trainer)
+        while len(self.kept) > self.KEEP:
+            self.kept.pop(0).shutdown()
+
+    def _make_room(self, cfg) -> None:
+        import ray
+
+        need = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text)) + 1.0  # + data and driver
+        while self.kept and ray.available_resources().get("CPU", 0.0) < need:
+            self.kept.pop(0).shutdown()
+
+    def clear(self) -> None:
+        while self.kept:
+            self.kept.pop().shutdown()
+
+
+_TRAINERS = TrainerCache()
+
+
+@pytest.fixture
+def trainers(ray_session) -> TrainerCache:
+    """Trainers shared between the tests that ask for them (`TrainerCache`)."""
+    return _TRAINERS
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TRAINERS.built:
+        terminalreporter.write_line(f"trainers: {_TRAINERS.built} built, {_TRAINERS.reused} reused (TrainerCache)")
+
+
+def pytest_runtest_setup(item):
+    if "trainers" not in getattr(item, "fixturenames", ()):
+        _TRAINERS.clear()  # kept pools would hold resources another test's trainer waits for
 
 
 def free_port() -> int:
