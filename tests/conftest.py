@@ -59,7 +59,8 @@ class TrainerCache:
     resources, so the oldest are shut down when a new one would not fit, and all of them before a test that
     does not ask for this fixture (`pytest_runtest_setup` below)."""
 
-    KEEP = 3
+    # Each kept actor is an idle process of about 0.5 GB (torch, transformers, the tiny model).
+    KEEP_ACTORS = 12
 
     def __init__(self) -> None:
         self.kept: list = []
@@ -85,7 +86,7 @@ class TrainerCache:
             trainer.shutdown()
             raise
         self.kept.append(trainer)
-        while len(self.kept) > self.KEEP:
+        while len(self.kept) > 1 and sum(len(t.vision) + len(t.text) for t in self.kept) > self.KEEP_ACTORS:
             self.kept.pop(0).shutdown()
 
     def _make_room(self, cfg) -> None:
