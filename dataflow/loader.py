@@ -27,7 +27,7 @@ import ray
 import torch
 from ray.data._internal.logical.interfaces import LogicalPlan
 
-from dhp.dataflow.packing import MicroBatchMeta, meta_of, pack, text_inputs, vision_inputs
+from dhp.dataflow.packing import MicroBatchMeta, meta_of, microbatch_inputs, pack
 from dhp.dataflow.positions import MAX_SKIP_EXAMPLES, Read, files_key, reads, resumed
 from dhp.dataflow.preprocess import PreprocessSettings, decode_sample, preprocess_row
 from dhp.dataflow.sources import Jsonl, split_batch
@@ -40,7 +40,8 @@ SPLIT_CPUS = 0.05  # Ray CPU asked by the file -> records split (and the cutting
 @dataclass
 class MicroBatch:
     vision: list[ray.ObjectRef]  # per vision rank of the replica: dict pixel_values [P_j, 1176], image_grid_thw
-    text: ray.ObjectRef  # dict: input_ids/labels/attention_mask [B, L], position_ids [3, B, L]
+    # dict: input_ids/labels/attention_mask [B, L], position_ids [3, B, L]; packed: [1, T] and cu_seqlens, no mask
+    text: ray.ObjectRef
     meta: MicroBatchMeta
 
 
@@ -69,7 +70,10 @@ def split_for_ranks(
 
     Under sequence parallelism rank r gets only its window-ordered patches (`ShardPlan.shard`) plus the
     grid sizes; the text side gets `merged_index`, the raster position of each window-ordered merged
-    token, which is how it reassembles the ranks' shards (stages/boundary.py).
+    token, which is how it reassembles the ranks' shards (stages/boundary.py). Padded or packed text alike:
+    both hold the images' merged tokens in the order of `vision`'s images (dataflow/packing.py), and the
+    ShardPlan attends per image (each image its own windows and full-attention segment), however many the
+    micro-batch holds.
     """
     if sp <= 0:
         return [vision]
@@ -169,6 +173,7 @@ class BatchLoader:
         replica: int = 0,
         num_replicas: int = 1,
         vision_sp: int = 0,
+        packing: bool = False,
     ):
         self.args = (paths, settings, model_config, workers, num_cpus)
         self.records = settings.records or Jsonl()
@@ -176,6 +181,7 @@ class BatchLoader:
         self.vision_sp = vision_sp  # > 0: sequence-parallel vision, each rank gets only its own patches
         self.global_batch_size = global_batch_size
         self.budget = microbatch_tokens
+        self.packing = packing  # one sequence per micro-batch, its samples back to back (dataflow/packing.py)
         self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
         self.epoch, self.rows, self.exhausted = 0, None, False
         # The data position (dataflow/positions.py): in the epoch's part (file) `part`, `taken` of this stream's
@@ -341,9 +347,8 @@ class BatchLoader:
         if not samples:
             return None
         microbatches = []
-        for group in pack([s["input_ids"].shape[0] for s in samples], self.budget):
-            chosen = [samples[i] for i in group]
-            vision, text = vision_inputs(chosen), text_inputs(chosen, self.pad_id)
+        for group in pack([s["input_ids"].shape[0] for s in samples], self.budget, self.packing):
+            vision, text = microbatch_inputs([samples[i] for i in group], self.pad_id, self.packing)
             meta = meta_of(vision, text)
             parts = split_for_ranks(vision, text, self.vision_sp, self.args[2])
             microbatches.append(MicroBatch([ray.put(p) for p in parts], ray.put(text), meta))

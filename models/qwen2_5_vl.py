@@ -22,6 +22,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
+from dhp.models.packed_attention import varlen_kernel
 from dhp.models.window_attention import group_segment_attention
 
 IGNORE_INDEX = -100
@@ -67,13 +68,18 @@ class TextModel(nn.Module):
 
     `<|image_pad|>` positions of `input_ids` receive the rows of `vision_embeds` in order
     (`masked_scatter`, as in `Qwen2_5_VLModel.forward`); positions are the 3-D mRoPE ids.
+
+    `packed`: the micro-batches are packed (dataflow/packing.py), one sequence of several samples with their
+    `cu_seqlens`; the decoder layers then attend with `varlen_kernel()` (models/packed_attention.py), inside each
+    sample only. Unpacked input still works and attends as SDPA would.
     """
 
     checkpoint_prefixes = ("model.language_model.", "lm_head.")
 
-    def __init__(self, config: Qwen2_5_VLConfig):
+    def __init__(self, config: Qwen2_5_VLConfig, packed: bool = False):
         super().__init__()
-        text_config = config.text_config
+        text_config = varlen_kernel().text_config(config.text_config) if packed else config.text_config
+        self.packed = packed
         # fp32 whatever the config's `dtype` says (models/precision.py)
         self.language_model = Qwen2_5_VLTextModel._from_config(text_config, dtype=torch.float32)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
@@ -86,9 +92,11 @@ class TextModel(nn.Module):
         input_ids: torch.Tensor,
         vision_embeds: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[B, L] ids, [N_img_tokens, H] vision rows, [3, B, L] positions, [B, L] mask -> [B, L, H]."""
+        """[B, L] ids, [N_img_tokens, H] vision rows, [3, B, L] positions, [B, L] mask -> [B, L, H]. A packed
+        sequence: B = 1, no mask, and `cu_seqlens` [n + 1], where each of its n samples starts (then L)."""
         embeds = self.language_model.embed_tokens(input_ids)
         image_mask = input_ids == self.image_token_id
         if int(image_mask.sum()) != vision_embeds.shape[0]:
@@ -98,21 +106,34 @@ class TextModel(nn.Module):
         if vision_embeds.shape[0]:
             embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), vision_embeds.to(embeds.dtype))
         out = self.language_model(
-            inputs_embeds=embeds, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            inputs_embeds=embeds,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            **self._packed_kwargs(cu_seqlens, embeds.device),
         )
         return out.last_hidden_state
+
+    def _packed_kwargs(self, cu_seqlens: torch.Tensor | None, device: torch.device) -> dict:
+        if cu_seqlens is None:
+            return {}
+        if not self.packed:  # its layers would attend across the samples
+            raise ValueError("a packed micro-batch (cu_seqlens) reached a TextModel built with packed=False")
+        return varlen_kernel().model_kwargs(cu_seqlens, device)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         vision_embeds: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         labels: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Summed loss of the batch: `hidden_states` then `loss_sum` (one call, so wrappers such as FSDP
         that act on `forward` see the whole use of the parameters)."""
-        return self.loss_sum(self.hidden_states(input_ids, vision_embeds, position_ids, attention_mask), labels)
+        hidden = self.hidden_states(input_ids, vision_embeds, position_ids, attention_mask, cu_seqlens)
+        return self.loss_sum(hidden, labels)
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token cross-entropy over labelled positions.

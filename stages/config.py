@@ -119,7 +119,10 @@ class DataConfig:
     min_pixels: int = 56 * 56  # smart_resize lower bound (pixels per image)
     max_pixels: int = 224 * 224  # smart_resize upper bound; larger images are resized down
     max_seq_len: int = 2048  # longest sample in tokens (vision + text); longer ones are skipped
-    microbatch_tokens: int = 2048  # token budget of one micro-batch (batch x padded length)
+    microbatch_tokens: int = 2048  # token budget of one micro-batch (batch x padded length; packed: total length)
+    # pack each micro-batch's samples back to back into one sequence (no padding) whose text attention stays inside
+    # each sample (flash-attn's varlen kernel if installed, else SDPA per sample); false: right-pad to the longest
+    packing: bool = False
     preprocess_workers: int = 1  # Ray Data tasks at a time running decode/resize/patchify/tokenize
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
     shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle

@@ -80,6 +80,8 @@ def throughput(batches: list[Any], model_config: Any, step_time_s: float, peak_f
     return {
         "vision_tokens": sum(m.patches for m in metas),  # patches through the vision encoder
         "text_tokens": sum(m.tokens for m in metas),  # unpadded decoder tokens, image placeholders included
+        # padding / all decoder token slots of the step (0 with data.packing: nothing is padded)
+        "padding_share": _sig(1 - sum(m.tokens for m in metas) / max(1, sum(m.padded_tokens for m in metas))),
         "model_tflops_per_s": _sig(flops / step_time_s / 1e12),
         "mfu": _sig(flops / (step_time_s * peak_flops)),
     }

@@ -1,8 +1,14 @@
 """The text stage on one actor: tokens + vision embeddings in, loss out, embedding gradient back.
 
 Boundary (receiving side). `vision_embeds` is [N, text_hidden] with N = number of `<|image_pad|>`
-tokens in `input_ids`, rows in the order those tokens appear (batch-major). The returned gradient has
-the same shape and order, so the vision stage can apply it to the tensor it produced.
+tokens in `input_ids`, rows in the order those tokens appear (batch-major; packed, sample after sample).
+The returned gradient has the same shape and order, so the vision stage can apply it to the tensor it
+produced.
+
+With `data.packing` a micro-batch's text is one sequence of several samples and their `cu_seqlens`
+(dataflow/packing.py); the model is built to attend inside each sample (models/packed_attention.py). Every
+tensor-parallel rank gets the same sequence, as it gets the same padded batch, and splits heads and columns,
+never the sequence, so nothing else changes under any text layout.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ class TextWorker(StageWorker):
     stage = "text"
 
     def build_model(self, model_config: Any) -> TextModel:
-        return TextModel(model_config)
+        return TextModel(model_config, packed=self.cfg.data.packing)
 
     def adapt(self) -> None:
         if self.fine_tuning.lora is not None:  # models/lora.py: this rank's parts of the factors, split as the base
@@ -96,7 +102,12 @@ class TextWorker(StageWorker):
             vision_embeds = torch.zeros(0, self.model_config.text_config.hidden_size, device=self.device)
         with self.autocast():
             return self.model(
-                inputs["input_ids"], vision_embeds, inputs["position_ids"], inputs["attention_mask"], inputs["labels"]
+                inputs["input_ids"],
+                vision_embeds,
+                inputs["position_ids"],
+                inputs.get("attention_mask"),  # none when packed
+                inputs["labels"],
+                inputs.get("cu_seqlens"),
             )
 
     @recorded("forward_backward")
