@@ -120,6 +120,7 @@ class Trainer:
             workers=d.preprocess_workers,
             num_cpus=d.preprocess_num_cpus,
             vision_sp=stage_layout(cfg, "vision", self.model_config).loader_shards,
+            packing=d.packing,  # one sequence per micro-batch (dataflow/packing.py); the text workers build for it
         )
         self.loaders = [  # one disjoint sample stream per data-parallel replica
             loader_cls.remote(train_paths, seed=d.shuffle_seed, replica=r, num_replicas=self.dp, **common)

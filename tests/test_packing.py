@@ -257,6 +257,48 @@ def test_packed_step_attending_across_samples_is_caught(parity_setup, alone):
     assert abs(loss - alone[0]) / alone[0] > 1e-3
 
 
+# The loader ------------------------------------------------------------------------------------------------------
+
+
+def test_loader_sends_packed_micro_batches(parity_setup, parity_data, ray_session):
+    """The Ray Data path with `packing`: every sample once, each micro-batch one sequence within the budget, and
+    under sequence-parallel vision each rank's patches and the text's `merged_index` for all its images."""
+    from dhp.dataflow.loader import loader_actor
+    from dhp.dataflow.preprocess import PreprocessSettings
+
+    _, _, samples = parity_setup
+    lengths = sorted(s["input_ids"].shape[0] for s in samples)
+    budget = lengths[-1] + lengths[0]  # the longest and the shortest fit together, the middle one alone
+    settings = PreprocessSettings(str(parity_data), min_pixels=56 * 56, max_pixels=448 * 448, max_seq_len=1024)
+    loader = loader_actor().remote(
+        [str(parity_data / "train.jsonl")],
+        settings,
+        architecture_config("tiny"),
+        global_batch_size=3,
+        microbatch_tokens=budget,
+        seed=None,
+        repeat=False,
+        vision_sp=2,
+        packing=True,
+    )
+    batch = ray.get(loader.next_batch.remote())
+    texts = [ray.get(mb.text) for mb in batch.microbatches]
+    assert sorted(len(t["cu_seqlens"]) - 1 for t in texts) == [1, 2]
+    assert sorted(n for t in texts for n in torch.diff(t["cu_seqlens"]).tolist()) == lengths
+    for mb, text in zip(batch.microbatches, texts):
+        assert text["input_ids"].shape == (1, mb.meta.tokens) and mb.meta.tokens <= budget
+        assert mb.meta.padded_tokens == mb.meta.tokens
+        parts = ray.get(mb.vision)
+        assert len(parts) == 2 and "attention_mask" not in text
+        grid = parts[0]["image_grid_thw"]
+        merged = int(grid.prod(-1).sum()) // 4
+        assert int((text["input_ids"] == IMAGE_PAD).sum()) == merged
+        if merged:
+            assert sorted(text["merged_index"].tolist()) == list(range(merged))
+            assert sum(p["pixel_values"].shape[0] for p in parts) == int(grid.prod(-1).sum())
+    assert ray.get(loader.next_batch.remote()) is None
+
+
 # Through the pools ---------------------------------------------------------------------------------------------
 
 
