@@ -57,7 +57,7 @@ class TrainerCache:
     `with trainers.use(cfg) as trainer:` gives a trainer of `cfg` at step 0; a test that passes keeps it for the
     next, one that fails shuts it down (its state is not to be trusted). Kept trainers hold their pools'
     resources, so the oldest are shut down when a new one would not fit, and all of them before a test that
-    does not ask for this fixture (`pytest_runtest_setup` below)."""
+    does not ask for this fixture and is slow (`pytest_runtest_setup` below)."""
 
     # Each kept actor is an idle process of about 0.5 GB (torch, transformers, the tiny model).
     KEEP_ACTORS = 12
@@ -116,8 +116,10 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_runtest_setup(item):
-    if "trainers" not in getattr(item, "fixturenames", ()):
-        _TRAINERS.clear()  # kept pools would hold resources another test's trainer waits for
+    # Kept pools hold the shared Ray's resources (another trainer would wait for them) and memory (a subprocess
+    # run or cluster of a slow test needs it); a quick test needs neither.
+    if "trainers" not in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is not None:
+        _TRAINERS.clear()
 
 
 def free_port() -> int:

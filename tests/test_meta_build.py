@@ -15,7 +15,6 @@ from dhp.models.parallel.layouts import make_layout
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.weights.materialize import build_on_meta, materialize_params, replay
 from dhp.stages.config import load_config
-from dhp.stages.trainer import Trainer
 from tests.test_layouts import CASES
 from tests.test_parity import BASE, SP2, TP2, _microbatch, collect
 
@@ -125,7 +124,7 @@ ZERO3 = ["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=ze
 @pytest.mark.parametrize(
     ("layout", "replicas"), [(SP2 + TP2, [[0, 1, 2]]), (ZERO3, [[0, 1], [2]])], ids=["sp2-tp2", "zero3-zero3"]
 )
-def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, ray_session, layout, replicas):
+def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, trainers, layout, replicas):
     """No `model.path`: the pools' tensors are the seeded single-process build's, bit for bit, and the first
     loss is that model's in transformers (a rotary buffer or parameter left uninitialised would show)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -150,8 +149,7 @@ def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, ray_sessi
     expected |= {TextModel.hf_name(n): t for n, t in text.state_dict().items()}
     ref = Qwen2_5_VLForConditionalGeneration(config).float()
     ref.load_state_dict(expected)
-    trainer = Trainer(cfg)
-    try:
+    with trainers.use(cfg) as trainer:
         params = collect(trainer)
         assert params.keys() == expected.keys()
         for name, t in expected.items():
@@ -159,8 +157,6 @@ def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, ray_sessi
         batches = [GlobalBatch([_microbatch([samples[i] for i in group], cfg)], epoch=0) for group in replicas]
         loss = trainer.accumulate(batches)
         ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
-    finally:
-        trainer.shutdown()
     full_v, full_t = vision_inputs(samples), text_inputs(samples, pad_id=151643)
     ref_loss = ref(
         input_ids=full_t["input_ids"],

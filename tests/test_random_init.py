@@ -15,7 +15,6 @@ from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.weights.materialize import build_on_meta
 from dhp.models.weights.random_init import PerPart, random_init
 from dhp.stages.config import load_config
-from dhp.stages.trainer import Trainer
 from tests.test_layouts import CASES
 from tests.test_parity import BASE, _microbatch, collect
 
@@ -91,7 +90,7 @@ def test_a_write_that_is_not_element_wise_is_refused_with_the_way_out():
         random_init("fast")
 
 
-def test_per_part_pools_train_one_model(parity_setup, ray_session):
+def test_per_part_pools_train_one_model(parity_setup, trainers):
     """Through the workers: data-parallel replicas of a tensor-parallel text pool and of the vision pool hold one
     model (`collect` asserts the replicas agree) of the exact build's distribution, and it trains."""
     _, _, samples = parity_setup
@@ -115,8 +114,7 @@ def test_per_part_pools_train_one_model(parity_setup, ray_session):
     exact = {VisionModel.hf_name(n): t for n, t in VisionModel(config).state_dict().items()}
     torch.manual_seed(cfg.model.init_seed)
     exact |= {TextModel.hf_name(n): t for n, t in TextModel(config).state_dict().items()}
-    trainer = Trainer(cfg)
-    try:
+    with trainers.use(cfg) as trainer:
         params = collect(trainer)
         assert params.keys() == exact.keys()
         for name, t in exact.items():
@@ -125,8 +123,6 @@ def test_per_part_pools_train_one_model(parity_setup, ray_session):
         loss = trainer.accumulate(batches)
         trainer.optimizer_step()  # syncs the replicas' gradients first
         after = collect(trainer)
-    finally:
-        trainer.shutdown()
     assert 0 < loss < 2 * torch.log(torch.tensor(float(config.text_config.vocab_size))).item()
     assert any(not torch.equal(after[n], params[n]) for n in params)  # it stepped, and replicas still agree
 

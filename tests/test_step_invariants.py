@@ -204,12 +204,11 @@ def test_misrouted_gradients_stop_the_run_in_one_line(ray_session, tmp_path, mon
     assert "Traceback" not in err
 
 
-def test_leftover_graph_stops_the_step_then_a_whole_batch_steps(parity_setup, ray_session):
+def test_leftover_graph_stops_the_step_then_a_whole_batch_steps(parity_setup, trainers):
     """Fan-out (one vision replica serving two text replicas): a forward with no backward before the step is named
     and nothing steps; the next global batch, routed as it should be, passes the same check and steps."""
     from dhp.dataflow.loader import GlobalBatch
     from dhp.stages.config import load_config
-    from dhp.stages.trainer import Trainer
     from tests.test_parity import _microbatch, collect
 
     _, ckpt, samples = parity_setup
@@ -224,8 +223,7 @@ def test_leftover_graph_stops_the_step_then_a_whole_batch_steps(parity_setup, ra
             "training.warmup_steps=0",
         ],
     )
-    trainer = Trainer(cfg)
-    try:
+    with trainers.use(cfg) as trainer:
         batches = [
             GlobalBatch([_microbatch([samples[0]], cfg)], epoch=0),
             GlobalBatch([_microbatch([samples[1]], cfg), _microbatch([samples[2]], cfg)], epoch=0),
@@ -243,5 +241,3 @@ def test_leftover_graph_stops_the_step_then_a_whole_batch_steps(parity_setup, ra
         assert all(torch.equal(after[n], t) for n, t in before.items())  # no optimizer step
         assert trainer.train_step(batches)["grad_norm"] > 0  # ledgers start clean; a whole batch steps
         assert any(not torch.equal(t, before[n]) for n, t in collect(trainer).items())
-    finally:
-        trainer.shutdown()
