@@ -147,6 +147,9 @@ class TrainingConfig:
     adam_beta1: float = 0.9  # AdamW beta1
     adam_beta2: float = 0.95  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
+    # AdamW implementation (models/optimizer.py): fused (one in-place kernel), foreach (list ops over each group,
+    # one moment-sized temporary per group), for_loop (tensor by tensor); auto: fused on CUDA, foreach on CPU
+    optimizer: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     max_grad_norm: float = 1.0  # clip by the global norm over both stages; <= 0 disables
     eval_every: int = 50  # steps between eval passes; 0 = only at the end
     eval_batches: int = 4  # global batches per eval pass

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import ray
 from tqdm import tqdm
 
-from dhp.models.planning.flops import actor_peak, step_flops
+from dhp.models.planning.flops import actor_peak, mfu, model_flops
 from dhp.models.precision import precision_of
 from dhp.stages.config import Config
 
@@ -76,14 +76,14 @@ def startup_summary(cfg: Config, run_dir: Path, first: int, peak: Peak) -> str:
 def throughput(batches: list[Any], model_config: Any, step_time_s: float, peak_flops: float) -> dict[str, Any]:
     """Per-step token counts, achieved model TFLOP/s and MFU from the micro-batches' metadata."""
     metas = [mb.meta for b in batches for mb in b.microbatches]
-    flops = sum(step_flops(model_config, metas))
+    flops = model_flops(model_config, metas)
     return {
         "vision_tokens": sum(m.patches for m in metas),  # patches through the vision encoder
         "text_tokens": sum(m.tokens for m in metas),  # unpadded decoder tokens, image placeholders included
         # padding / all decoder token slots of the step (0 with data.packing: nothing is padded)
         "padding_share": _sig(1 - sum(m.tokens for m in metas) / max(1, sum(m.padded_tokens for m in metas))),
         "model_tflops_per_s": _sig(flops / step_time_s / 1e12),
-        "mfu": _sig(flops / (step_time_s * peak_flops)),
+        "mfu": _sig(mfu(flops, step_time_s, peak_flops)),
     }
 
 

@@ -22,6 +22,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.fine_tuning import FineTuning, group_lrs
+from dhp.models.optimizer import adamw_of, device_type_of
 from dhp.models.parallel.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.parallel.layouts import make_layout, stage_layout
 from dhp.models.parallel.tensor_parallel import sum_partial_grads
@@ -42,7 +43,8 @@ from dhp.stages.trace import EventRecorder
 def build_optimizer(module: nn.Module, cfg: Config, zero_group: Any = NOT_SHARDED):
     """AdamW over `module`'s trainable parameters, one group per module and decay choice with its own LR and
     weight decay (models/fine_tuning.py), + linear warmup + cosine decay to `min_lr_ratio` of each group's LR;
-    one scheduler step per optimizer step.
+    one scheduler step per optimizer step. `training.optimizer` picks torch's implementation for the parameters'
+    device (models/optimizer.py).
 
     `zero_group` (a process group, None = the default group; NOT_SHARDED = off) shards the AdamW state ZeRO-1
     style: each rank keeps the moments of its share of the parameters, steps those, and broadcasts them.
@@ -50,15 +52,8 @@ def build_optimizer(module: nn.Module, cfg: Config, zero_group: Any = NOT_SHARDE
     """
     t = cfg.training
     groups = FineTuning(cfg).param_groups(module)
-    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    if zero_group is NOT_SHARDED:
-        optimizer = torch.optim.AdamW(groups, **kwargs)
-    else:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        optimizer = ZeroRedundancyOptimizer(
-            groups, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs
-        )
+    implementation = adamw_of(t.optimizer, device_type_of(groups))
+    optimizer = implementation.build(groups, zero_group, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps, min_lr_rate=t.min_lr_ratio
     )

@@ -13,14 +13,16 @@ import time
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
+from dhp.dataflow.packing import MicroBatchMeta, meta_of, text_inputs, vision_inputs
 from dhp.models.architectures import architecture_config
 from dhp.models.planning.flops import (
     TRAIN_FACTOR,
     datasheet_tflops,
     measure_matmul_tflops,
+    mfu,
+    model_flops,
     step_flops,
     text_forward_flops,
     vision_forward_flops,
@@ -172,3 +174,66 @@ def test_peaks():
     measured = measure_matmul_tflops("cpu", "float32", seconds=0.1)
     assert math.isfinite(measured) and 1e-4 < measured < 100
     assert time.perf_counter() - start < 2
+
+
+def test_mfu_of_a_hand_counted_step():
+    """dhp's MFU definition (docs/training.md#mfu) on shapes small enough to count by hand: a 2-block ViT, block 0
+    windowed and block 1 full attention as in Qwen2.5-VL, its merger, and a 2-layer decoder with grouped-query
+    attention, on one sample of 100 real tokens (padded to 128) holding one 16 x 16-patch image. Dropping any
+    term, counting padding, or counting activation checkpointing's repeated forward changes the result."""
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            fullatt_block_indexes=[1],
+            window_size=112,  # 8 x 8 patches
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            out_hidden_size=48,
+        ),
+        text_config=dict(
+            vocab_size=1000,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,  # head_dim 12: q 48 wide, k and v 24 each
+            bos_token_id=0,
+            eos_token_id=1,
+        ),
+    )
+    meta = MicroBatchMeta(samples=1, tokens=100, padded_tokens=128, label_tokens=30, images=1, patches=256)
+
+    # Vision, per patch: the patch embedding (3 x 2 x 14 x 14 = 1176 inputs -> 32) and, per block, qkv and proj
+    # (4 x 32 x 32) and the gated MLP (3 x 32 x 64). The merger per merged token (256 / 4 = 64): 128 -> 128 -> 48.
+    embed = 2 * 1176 * 32
+    blocks = 2 * 2 * (4 * 32 * 32 + 3 * 32 * 64)
+    merger = 64 * 2 * (128 * 128 + 128 * 48)
+    # Attention, 4 x hidden x (sum of squared lengths): block 0 in four 64-patch windows, block 1 the whole image.
+    window_attention = 4 * 32 * 4 * 64**2
+    full_attention = 4 * 32 * 256**2
+    vision = 256 * (embed + blocks) + merger + window_attention + full_attention
+
+    # Text, per token and layer: q and o (48 x 48 each), k and v (48 x 24 each), the gated MLP (3 x 48 x 96);
+    # attention 4 x 48 x 100^2 per layer over the real tokens only; lm_head on the 30 labelled positions.
+    layers = 2 * 100 * 2 * (2 * 48 * 48 + 2 * 48 * 24 + 3 * 48 * 96)
+    text_attention = 2 * 4 * 48 * 100**2
+    lm_head = 2 * 48 * 1000 * 30
+    text = layers + text_attention + lm_head
+
+    assert (vision, text) == (43_122_688, 15_014_400)  # 29.8 M + 2.9 M + 2.1 M + 8.4 M; 8.3 M + 3.8 M + 2.9 M
+    assert step_flops(config, [meta]) == pytest.approx((3 * vision, 3 * text), rel=1e-12)
+    flops = model_flops(config, [meta])
+    assert flops == pytest.approx(3 * (vision + text), rel=1e-12)
+    assert mfu(flops, 2.0, 1e9) == pytest.approx(3 * (vision + text) / 2e9, rel=1e-12)
+
+    from types import SimpleNamespace
+
+    from dhp.stages.run_log import throughput
+
+    batches = [SimpleNamespace(microbatches=[SimpleNamespace(meta=meta)])]
+    assert throughput(batches, config, 2.0, 1e9)["mfu"] == pytest.approx(3 * (vision + text) / 2e9, rel=1e-3)

@@ -1,4 +1,5 @@
-"""Model FLOPs of Qwen2.5-VL counted from its config, and the peak an actor can reach, for the MFU estimate.
+"""Model FLOPs of Qwen2.5-VL counted from its config, and the peak an actor can reach: dhp's one MFU definition
+(docs/training.md#mfu), which every MFU figure dhp prints or writes computes with `mfu` over `model_flops`.
 
 FLOPs are matmul FLOPs (2 per multiply-add), the convention of `torch.utils.flop_counter` and of MFU as
 PaLM defines it; norms, activations and rotary embeddings are left out (a fraction of a percent).
@@ -9,7 +10,8 @@ window (window blocks) or the image frame (`fullatt_block_indexes`); the merger 
 Text decoder, per token: q/k/v/o projections (k and v at the grouped-query width), the gated MLP, the
 attention term over the whole sequence (the full L x L score matrix, as flop_counter and PaLM count
 causal attention), and lm_head on the positions that get logits (dhp: labelled positions only).
-Training = 3 x forward (backward is two matmuls per forward matmul).
+Training = 3 x forward (backward is two matmuls per forward matmul). Work a step does on top is not model
+work and is not counted: padding, and the forward activation checkpointing repeats in backward.
 """
 
 from __future__ import annotations
@@ -146,6 +148,18 @@ def step_flops(model_config: Any, metas: Iterable[Any]) -> tuple[float, float]:
         mean = meta.tokens / max(1, meta.samples)
         text += text_forward_flops(tc, [mean] * meta.samples, logit_tokens=meta.label_tokens)
     return TRAIN_FACTOR * vision, TRAIN_FACTOR * text
+
+
+def model_flops(model_config: Any, metas: Iterable[Any]) -> float:
+    """Model FLOPs of one training step over these micro-batches: the numerator of MFU (`step_flops`, both
+    stages together)."""
+    return sum(step_flops(model_config, metas))
+
+
+def mfu(flops: float, step_time_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: `flops` (`model_flops`) done in `step_time_s` against `peak_flops`, the FLOP/s
+    of every stage actor together (stages/run_log.py `peak_of`: `actor_peak` per actor)."""
+    return flops / (step_time_s * peak_flops)
 
 
 def datasheet_tflops(device_name: str) -> float | None:

@@ -4,8 +4,9 @@ Per rank, in bytes, counted on the meta device (nothing allocated):
 
 - model states: the layout's elements (`state_numel`) x the precision's bytes for parameters, and for the
   gradients and AdamW moments of what trains (`FineTuning`: LoRA factors included); the moments of the
-  busiest rank of the layout's ZeRO-1 group (`zero1_largest`); torch's foreach AdamW temporary (one moment
-  of that share) while it steps;
+  busiest rank of the layout's ZeRO-1 group (`zero1_partition`); what the AdamW implementation
+  (`training.optimizer`, models/optimizer.py) allocates while it steps: nothing when fused (auto on CUDA), one
+  moment of the rank's largest optimizer group for foreach (auto on CPU);
 - activations kept for backward at the configured `data.microbatch_tokens`: vision with every token of a
   micro-batch an image token (4 patches each: the most a micro-batch can carry), from the layouts' own
   saved-tensor formulas (`vit_activation_bytes`), times the vision graphs alive at once (`vision_graphs`:
@@ -99,45 +100,58 @@ def activation_bytes_per_element(cfg: Any, stage: str) -> int:
 
 
 def model_state_bytes(
-    layout: Any, precision: Any, shapes: dict[str, tuple[int, ...]], rank: int = 0, fine_tuning: Any = None
+    layout: Any,
+    precision: Any,
+    shapes: dict[str, tuple[int, ...]],
+    rank: int = 0,
+    fine_tuning: Any = None,
+    optimizer: Any = None,
 ) -> dict[str, int]:
     """Parameter, gradient and AdamW bytes rank `rank` holds (the layout's elements, the precision's bytes),
-    and torch's foreach-AdamW temporary while it steps (one moment of that share). With `fine_tuning`
-    (models/fine_tuning.py: the plan's case) gradients and moments only for what trains, and the moments of
-    the busiest rank of the ZeRO-1 group (`zero1_largest`); without, everything trains and the moments are the
-    group's even share (`dhp bench memory`'s per-rank average, which sums to the checkpoint's)."""
+    and what the AdamW implementation `optimizer` (models/optimizer.py) allocates while it steps: nothing when
+    fused, one moment of the largest optimizer group for foreach, about two of the largest tensor for the for
+    loop; None counts foreach's, the most of the three. With `fine_tuning` (models/fine_tuning.py: the plan's
+    case) gradients and moments only for what trains, in its optimizer groups, and the moments of the busiest
+    rank of the ZeRO-1 group (`zero1_partition`); without, everything trains in one group and the moments are
+    the group's even share (`dhp bench memory`'s per-rank average, which sums to the checkpoint's)."""
+    from dhp.models.optimizer import IMPLEMENTATIONS
+
     held = held_numels(layout, shapes, rank)
     trained = [n for n in shapes if fine_tuning is None or fine_tuning.trainable(n)]
     grads = sum(held[n] for n in trained)
     if fine_tuning is None:
-        moments = grads * layout.optimizer_fraction
+        ranks = [[[held[n] * layout.optimizer_fraction for n in trained]]]
     else:
-        moments = zero1_largest(layout, [(n, held[n], len(shapes[n])) for n in trained if held[n]], fine_tuning)
-    moments *= precision.optimizer_bytes
+        ranks = zero1_partition(layout, [(n, held[n], len(shapes[n])) for n in trained if held[n]], fine_tuning)
+    optimizer = optimizer or IMPLEMENTATIONS["foreach"]
+    moment_bytes = precision.optimizer_bytes / 2  # exp_avg and exp_avg_sq: a temporary has their dtype
     return {
         "params": sum(held.values()) * precision.param_bytes,
         "grads": grads * precision.grad_bytes,
-        "optimizer": round(moments),
-        "optimizer_step_temp": round(moments / 2),
+        "optimizer": round(max(sum(map(sum, groups)) for groups in ranks) * precision.optimizer_bytes),
+        "optimizer_step_temp": round(max(optimizer.step_temp_numel(groups) for groups in ranks) * moment_bytes),
     }
 
 
-def zero1_largest(layout: Any, trained: list[tuple[str, int, int]], fine_tuning: Any) -> float:
-    """Elements of AdamW state the busiest rank of a ZeRO-1 group steps, from (name, held elements, ndim) of
-    the rank's trainable parameters in model order: torch's ZeroRedundancyOptimizer puts whole parameters,
-    group by group and largest first, on the rank with the fewest elements so far. With few trainable
-    tensors (a merger-only ViT: 5) that is far from an even split. A layout whose moments are not split this
-    way (ZeRO-3's are sharded like their parameters) takes `optimizer_fraction` of the sum."""
-    total = sum(numel for _, numel, _ in trained)
+def zero1_partition(layout: Any, trained: list[tuple[str, int, int]], fine_tuning: Any) -> list[list[list[float]]]:
+    """Per rank of a ZeRO-1 group, per optimizer group, the elements of AdamW state of each parameter that rank
+    steps, in the order its optimizer holds them; from (name, held elements, ndim) of the rank's trainable
+    parameters in model order. torch's ZeroRedundancyOptimizer puts whole parameters, group by group and
+    largest first, on the rank with the fewest elements so far. With few trainable tensors (a merger-only ViT:
+    5) that is far from an even split. A layout whose moments are not split this way (ZeRO-3's are sharded like
+    their parameters) is one rank with `optimizer_fraction` of each parameter, in model order."""
+    grouped = [g["params"] for g in fine_tuning.grouped(trained)]  # element counts, group by group
     group = round(1 / layout.optimizer_fraction) if layout.optimizer_fraction > 0 else 1
     if group <= 1 or layout.spans_pool:
-        return total * layout.optimizer_fraction
-    params = [g["params"] for g in fine_tuning.grouped([(n, numel, ndim) for n, numel, ndim in trained])]
+        return [[[numel * layout.optimizer_fraction for numel in numels] for numels in grouped]]
+    ranks: list[list[list[float]]] = [[[] for _ in grouped] for _ in range(group)]
     sizes = [0] * group
-    for numels in params:
+    for g, numels in enumerate(grouped):
         for numel in sorted(numels, reverse=True):
-            sizes[sizes.index(min(sizes))] += numel
-    return float(max(sizes))
+            r = sizes.index(min(sizes))
+            ranks[r][g].append(float(numel))
+            sizes[r] += numel
+    return ranks
 
 
 def held_numels(layout: Any, shapes: dict, rank: int, _cache: dict = {}) -> dict[str, int]:  # noqa: B006
@@ -282,10 +296,17 @@ def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | No
         num_actors=s.num_actors,
         precision=prec.name,
         activation_checkpointing=s.activation_checkpointing,
-        **model_state_bytes(layout, prec, shapes, 0, ft),
+        **model_state_bytes(layout, prec, shapes, 0, ft, stage_adamw(cfg, stage)),
         activations=round(activations),
         transients=round(transients),
     )
+
+
+def stage_adamw(cfg: Any, stage: str) -> Any:
+    """The AdamW implementation `training.optimizer` gives `stage`'s ranks: CUDA's where they take GPUs."""
+    from dhp.models.optimizer import adamw_of
+
+    return adamw_of(cfg.training.optimizer, "cuda" if getattr(cfg, stage).num_gpus_per_actor > 0 else "cpu")
 
 
 def device_memory(cfg: Any, gpu_memory_gib: float | None = None) -> tuple[int | None, str]:
