@@ -2,8 +2,9 @@
 
 The head is started here (scripts/local_head.py): bound to 127.0.0.1 with its own ports, temp dir and
 token (token auth on), and at the end exactly that head is stopped, never `ray stop` (which would stop
-every Ray on the machine). The job is the default tiny layout (vision SP2, text TP2, pipelined) for a few
-steps; its config file exists only in the shipped working dir. A second job is stopped with `ray job stop`
+every Ray on the machine). The first job trains the hybrid layout (vision SP2 x DP2, text TP2 x DP2, disjoint
+placement, traced) for a few steps through the real loader (per-rank patch shards) and exports; its config
+file exists only in the shipped working dir. A second job, the default layout, is stopped with `ray job stop`
 mid-run: it must checkpoint and say where (preemption).
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
+from transformers import Qwen2_5_VLForConditionalGeneration
 
 from dhp.scripts.local_head import Listener, LocalHead, alive, start_head
 from dhp.stages.checkpoint_files import verify
@@ -32,6 +34,19 @@ from dhp.stages.config import preset_path
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
 RAY = str(Path(sys.executable).with_name("ray"))
+# sp2 vision x dp2, tp2 text x dp2 on their own placement groups: 8 stage actors of a quarter CPU
+HYBRID = [
+    "vision.parallelism=sequence",
+    "vision.num_actors=4",
+    "vision.degree=2",
+    "vision.num_cpus_per_actor=0.25",
+    "text.parallelism=tensor",
+    "text.num_actors=4",
+    "text.degree=2",
+    "text.num_cpus_per_actor=0.25",
+    "pipeline.placement=disjoint",
+    "pipeline.trace=true",
+]
 STEPS = 4
 JOB_TIMEOUT_S = 300  # a loaded 2-core machine; the job itself takes about a minute
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
@@ -51,7 +66,8 @@ def _ray(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Complete
 
 
 def test_ray_job_submit_trains_on_a_loopback_head(tmp_path, tmp_path_factory):
-    head = start_head(tmp_path_factory.mktemp("rh"), num_cpus=2, resources={"trainer_host": 1})
+    # logical CPUs: 8 stage actors, 3 loaders and the job's driver on this 2-core machine
+    head = start_head(tmp_path_factory.mktemp("rh"), num_cpus=4, resources={"trainer_host": 1})
     try:
         seen_listening = _submit_and_check(head, tmp_path)
         _stop_and_check(head, tmp_path)
@@ -86,12 +102,12 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     }
     run_dir = tmp_path / "runs" / "job"
     overrides = [
+        *HYBRID,
         f"training.steps={STEPS}",
-        "training.global_batch_size=4",
         "training.eval_every=0",
         "training.eval_batches=1",
-        "data.synthetic.num=32",
-        "data.synthetic.eval_num=4",
+        "data.synthetic.num=64",
+        "data.synthetic.eval_num=8",
         f"data.synthetic.dir={tmp_path}/synth",
         f"output.dir={tmp_path}/runs",
         "output.name=job",
@@ -142,7 +158,7 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     # The driver joined this head through the RAY_ADDRESS Ray gave it (no Ray of its own), and on a pipe it
     # prints progress lines, not a bar, then the summary.
     assert head.gcs_address in text, text[-3000:]
-    assert "placement: shared" in text and text.count("vision rank") == 2
+    assert "placement: disjoint" in text and text.count("vision rank") == 4
     assert f"step {STEPS}/{STEPS} loss" in text and '"final_loss"' in text, text[-3000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -150,6 +166,7 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["training"]["steps"] == STEPS and saved["vision"]["parallelism"] == "sequence"
+    _check_hybrid_run(run_dir, records)
 
     info = client.get_job_info(sid)
     # What docs/training.md warns about: env_vars are stored with the job, readable by anyone holding the token...
@@ -165,6 +182,25 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     refused = _ray(["job", "status", sid], no_mode, tmp_path)
     assert refused.returncode != 0 and "Authentication" in refused.stdout + refused.stderr
     return listening
+
+
+def _check_hybrid_run(run_dir: Path, records: list[dict]) -> None:
+    """The hybrid job's outputs: the final eval, the export gathered from both tensor-parallel shards, and a
+    Chrome trace with every stage call of both pools."""
+    assert math.isfinite(records[-1]["eval_loss"])
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run_dir / "checkpoint")
+    assert model.lm_head.weight.shape == (151936, 64)
+    # 4 vision forwards and backwards and 4 text forward_backwards per micro-batch (2 replicas x 2 ranks), one
+    # optimizer step per actor per step.
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    calls = [e for e in trace if e["ph"] == "X"]
+    names = {(e["cat"], e["name"]) for e in calls}
+    assert {("vision", "forward"), ("vision", "backward"), ("text", "forward_backward")} <= names
+    assert sum(e["name"] == "optimizer_step" for e in calls) == STEPS * 8
+    mbs = sum(r["microbatches"] for r in records)
+    assert sum(e["name"] == "forward_backward" for e in calls) == 2 * mbs  # each text rank of the replica
+    # Ray's argument transfers (ray.timeline(), matched by worker and time) as slices before the calls.
+    assert sum(e["name"] == "receive" and e["args"]["call"] == "forward_backward" for e in calls) == 2 * mbs
 
 
 def _stop_and_check(head: LocalHead, tmp_path: Path) -> None:
