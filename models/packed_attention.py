@@ -14,10 +14,10 @@ text model asks it, nothing else chooses:
 Why `sdpa_segments` is written here rather than taken from transformers' own packed path (position ids that restart
 per sample, no attention mask: `masking_utils.find_packed_sequence_indices` then builds a block-diagonal mask):
 that mask is a dense [T, T] boolean, and SDPA with it computes every one of the T^2 scores. On torch 2.13's CPU a
-forward and backward of 8 samples, 4 096 tokens, 8 heads of 64 took 3.6 s with the mask and 0.66 s per sample, the
-same result to 8e-7. FlexAttention's block mask would skip the empty blocks, but on the CPU torch 2.13 has no
-FlexAttention backward ("FlexAttention does not support backward on CPU"), and on a GPU it needs `torch.compile`
-for each new packed length. The measurement: `python -m dhp.models.packed_attention`.
+forward and backward of 8 samples, 4 096 tokens, 8 heads of 64 took 5.5 to 6.8 times as long with the mask as per
+sample (`python -m dhp.models.packed_attention`), the same result to 8e-7. FlexAttention's block mask would skip
+the empty blocks, but on the CPU torch 2.13 has no FlexAttention backward ("FlexAttention does not support
+backward on CPU"), and on a GPU it needs `torch.compile` for each new packed length.
 
 The attention function is registered with transformers under `PACKED_SDPA`, its mask function is SDPA's, so an
 unpacked call (no `cu_seq_lens_q`: a ZeRO-3 padding micro-batch, say) is exactly `sdpa`.
@@ -109,7 +109,8 @@ def varlen_kernel() -> VarlenKernel:
 
 def _measure(lengths: list[int], heads: int = 8, dim: int = 64, repeats: int = 3) -> dict[str, float]:
     """Seconds of one forward + backward of causal attention over samples of `lengths` packed into one sequence:
-    SDPA with the dense block-diagonal mask transformers' packed path builds, and per sample (this module)."""
+    SDPA with the dense block-diagonal mask transformers' packed path builds, and per sample (this module); and
+    the largest difference of their outputs."""
     import time
     import types
 
@@ -123,7 +124,7 @@ def _measure(lengths: list[int], heads: int = 8, dim: int = 64, repeats: int = 3
         "dense_mask_s": lambda: sdpa_attention_forward(module, q, k, v, mask[None, None])[0],
         "per_sample_s": lambda: packed_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=cu)[0],
     }
-    out = {}
+    out = {"max_difference": float((runs["dense_mask_s"]() - runs["per_sample_s"]()).detach().abs().max())}
     for name, run in runs.items():
         start = time.perf_counter()
         for _ in range(repeats):

@@ -173,7 +173,7 @@ def test_unpacked_model_refuses_a_packed_micro_batch(parity_setup):
 
 def test_measure_script_runs_tiny():
     out = packed_attention._measure([3, 5], heads=2, dim=4, repeats=1)
-    assert set(out) == {"dense_mask_s", "per_sample_s"} and min(out.values()) >= 0
+    assert set(out) == {"dense_mask_s", "per_sample_s", "max_difference"} and out["max_difference"] <= 1e-6
 
 
 # The model: packed == padded == each sample alone ----------------------------------------------------------------
