@@ -180,6 +180,18 @@ def test_unpacked_model_refuses_a_packed_micro_batch(parity_setup):
         model(text["input_ids"], torch.zeros(0, 64), text["position_ids"], None, text["labels"], text["cu_seqlens"])
 
 
+def test_packed_model_on_padded_input_is_sdpa(parity_setup):
+    """A packed model still takes a padded micro-batch (a ZeRO-3 replica's padding call is one) and computes
+    exactly what an unpacked one does."""
+    _, _, samples = parity_setup
+    text = text_inputs([samples[2], samples[2]], pad_id=PAD_ID)
+    text["attention_mask"][1, :3] = 0  # padding on the left, which the tokens after it must not see
+    text["labels"][1, :4] = IGNORE_INDEX
+    args = (text["input_ids"], torch.zeros(0, 64), text["position_ids"], text["attention_mask"], text["labels"])
+    losses = [_tiny_text(packed)[0](*args) for packed in (True, False)]
+    assert torch.equal(losses[0], losses[1])
+
+
 def test_measure_script_runs_tiny():
     out = packed_attention._measure([3, 5], heads=2, dim=4, repeats=1)
     assert set(out) == {"dense_mask_s", "per_sample_s", "max_difference"} and out["max_difference"] <= 1e-6
