@@ -1,5 +1,6 @@
-"""`dhp bench one-gpu` at its quick size on CPU: both systems train the same batches and the JSON says what a GPU
-run will report. No timing is asserted (benchmarks are scripts); the GPU figures come from a GPU run."""
+"""`dhp bench one-gpu` at its quick size on CPU: the three systems train the same packed micro-batches of real photos
+(the same counts, the same losses from the same weights) and the JSON says what a GPU run will report. No timing is
+asserted (benchmarks are scripts); the GPU figures come from a GPU run."""
 
 from __future__ import annotations
 
@@ -11,124 +12,178 @@ import pytest
 
 from dhp.scripts.bench.one_gpu import main, profile_summary
 
+SYSTEMS = ["dhp", "one process", "one process, dhp kernels"]
 
-def test_one_gpu_bench_runs_both_systems_and_writes_its_rows(ray_session, tmp_path, capsys):
-    path = tmp_path / "one_gpu.json"
-    args = argparse.Namespace(
+
+def _args(path, **changes) -> argparse.Namespace:
+    args = dict(
         json=str(path),
         quick=True,
         model=None,
         sides=None,
-        steps=None,
+        steps=1,
         microbatches=2,
         precision=None,
         profile=1,
-        boundaries=("host", "cuda_ipc"),
+        boundaries=("host",),
+        photos=None,
+        shard=None,
     )
-    assert main(args) == 0
+    return argparse.Namespace(**{**args, **changes})
+
+
+def test_three_systems_train_the_same_packed_photos(trainers, tmp_path, capsys):
+    path = tmp_path / "one_gpu.json"
+    assert main(_args(path, boundaries=("host", "cuda_ipc")), trainers.use) == 0
     result = json.loads(path.read_text())
     assert result["complete"] and "failed" not in result
-    # CUDA IPC needs both pools on one GPU: refused up front on a CPU, recorded, and the host rows kept
+    # CUDA IPC needs both pools on one GPU: refused up front on a CPU, recorded apart, and the other rows kept
     (failed,) = result["failed_boundaries"]
-    assert (failed["boundary"], failed["patches"]) == ("cuda_ipc", 64)
+    assert (failed["boundary"], failed["workload"], failed["system"]) == ("cuda_ipc", "photos", "dhp cuda_ipc")
     assert "pipeline.boundary=cuda_ipc maps GPU memory" in failed["error"]
     assert result["timings"].startswith("CPU timings") and result["model"] == "tiny"
     assert result["precision"] == "fp32" and result["device_gib"] is None  # no device: the preset's
-    dhp, alone = result["rows"]
-    assert (dhp["system"], alone["system"]) == ("dhp", "one process")
-    assert dhp["patches"] == alone["patches"] == 64 and dhp["sample_tokens"] == alone["sample_tokens"]
-    assert dhp["text_tokens"] == alone["text_tokens"] == 2 * dhp["sample_tokens"]  # a step's, from run_log
-    for row in (dhp, alone):
-        assert len(row["steps_s"]) == 1 + result["steps"] and row["step_s"] > 0
-        assert row["vision_tokens_per_s"] == 2 * 64 / row["step_s"]
+    # the first 4 photos of the shard, packed into micro-batches of at most 256 tokens: several a step
+    (workload,) = result["workloads"]
+    assert workload["name"] == "photos" and workload["samples"] == 4
+    assert len(workload["microbatches"]) == 2 and all(0 < m["tokens"] <= 256 for m in workload["microbatches"])
+    assert sum(m["images"] for m in workload["microbatches"]) == 4
+    rows = {r["system"]: r for r in result["rows"]}
+    assert [r["system"] for r in result["rows"]] == SYSTEMS
+    dhp, stock, kernels = (rows[s] for s in SYSTEMS)
+
+    # the same batches: every count but the padded slots, which only the stock loop has
+    counts = [{k: v for k, v in r["trained"].items() if k != "padded_tokens"} for r in (dhp, stock, kernels)]
+    assert counts[0] == counts[1] == counts[2]
+    assert counts[0]["samples"] == counts[0]["images"] == 4 and counts[0]["microbatches"] == 2
+    assert counts[0]["patches"] == sum(m["patches"] for m in workload["microbatches"]) == dhp["patches"]
+    assert dhp["trained"]["padded_tokens"] == kernels["trained"]["padded_tokens"] == counts[0]["tokens"]
+    assert stock["trained"]["padded_tokens"] > counts[0]["tokens"] and stock["padding_share"] > 0
+    assert dhp["padding_share"] == kernels["padding_share"] == 0
+    # ... and the same model: the first losses agree (the weights dhp's ranks build), and each system learns
+    first = [r["losses"][0] for r in (dhp, stock, kernels)]
+    assert max(first) - min(first) <= 1e-5 * abs(first[0])
+    for row in (dhp, stock, kernels):
+        assert len(row["losses"]) == len(row["steps_s"]) == 1 + result["steps"]
+        assert row["losses"][-1] < row["losses"][0] and row["step_s"] > 0
+        assert row["vision_tokens_per_s"] == row["patches"] / row["step_s"]
+        assert row["text_tokens_per_s"] == counts[0]["tokens"] / row["step_s"]
         assert row["model_tflops_per_s"] > 0 and 0 < row["mfu"] < 1
         assert all(b > 0 for b in row["peak_bytes"].values())
         assert set(row["peak_reserved_bytes"]) == set(row["peak_bytes"])  # None on a CPU: no caching allocator
         assert all(b is None for b in row["peak_reserved_bytes"].values())
+
+    # the ratios: each row's tokens/s over the stock loop's; dhp's over the same-kernel loop's too
+    assert dhp["over_stock"] == stock["step_s"] / dhp["step_s"]
+    assert kernels["over_stock"] == stock["step_s"] / kernels["step_s"]
+    assert dhp["over_same_kernels"] == kernels["step_s"] / dhp["step_s"]
+    assert "over_stock" not in stock and "over_same_kernels" not in kernels
     assert set(dhp["peak_bytes"]) == {"vision", "text"}
     assert {"vision.forward", "vision.backward", "text.forward_backward"} <= set(dhp["calls_s"])
-    assert dhp["ratio"] == alone["step_s"] / dhp["step_s"]
     assert 0 <= dhp["bubble"] <= 1
     moved = dhp["boundary_s_per_microbatch"]  # Ray's transfers of the shards and gradients are always timed
     assert moved["ray_s"] > 0 and moved["boundary_s"] == pytest.approx(moved["copy_s"] + moved["ray_s"])
     assert dhp["boundary_share"] == 2 * moved["boundary_s"] / dhp["step_s"] < 1
-    # one more step (after the profiler's warm-up) of the loop and of dhp under torch.profiler, after the measured
-    # ones: the loop's process and dhp's two actors each summarized where it ran
-    assert set(alone["profile"]) == {"process"} and set(dhp["profile"]) == {"vision", "text"}
-    for prof in (alone["profile"]["process"], dhp["profile"]["vision"], dhp["profile"]["text"]):
+
+    # one more step (after the profiler's warm-up) of each system under torch.profiler, after the measured ones:
+    # each loop's process and dhp's two actors each summarized where it ran
+    assert set(stock["profile"]) == set(kernels["profile"]) == {"process"}
+    assert set(dhp["profile"]) == {"vision", "text"}
+    profiles = [stock["profile"]["process"], kernels["profile"]["process"], *dhp["profile"].values()]
+    for prof in profiles:
         assert prof["wall_s"] > 0 and 0 < len(prof["top_host"]) <= 8 and prof["summary_s"] >= 0
         assert prof["device_busy_s"] == prof["device_busy_share"] == 0 and prof["top_device"] == []  # a CPU
         assert prof["device_gaps"] == {"count": 0, "total_s": 0, "longest_s": []}
         calls = [o["calls"] for o in prof["top_host"]]  # the host events called most often, with their host time
         assert calls == sorted(calls, reverse=True) and all(o["host_s"] >= 0 for o in prof["top_host"])
         assert any(o["op"].startswith("aten::") for o in prof["top_host"])
-    assert len(alone["profile"]["process"]["top_host"]) == 8
+
     out = capsys.readouterr().out
-    assert "| 64 | dhp |" in out and "profiled 64 patches, one process: device busy 0%" in out
-    assert "profiled 64 patches, dhp vision: device busy 0%" in out and "profiled 64 patches, dhp text:" in out
-    assert "pipeline.boundary=cuda_ipc failed at 64 patches: ConfigError" in out
-    assert ray_session.is_initialized()  # the session's Ray, left running
+    assert "| ÷ stock | ÷ same kernels |" in out
+    for system in SYSTEMS:
+        assert f"| photos | {dhp['patches']} | {system} |" in out
+        assert f"profiled photos, {system}" in out
+    assert "pipeline.boundary=cuda_ipc failed on photos: ConfigError" in out
 
 
 def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():
-    """What a GPU run will choose for the 3B (fp32 master states are 60 GB: they do not fit an 80 GB H100
-    beside 16 k-patch activations), decided by the plan alone, so checked here without a GPU."""
+    """What a GPU run will choose for the 3B, decided by the plan alone, so checked here without a GPU: on an 80 GB
+    H100 its fp32 master states (60 GB) fit beside a 4 k-patch micro-batch, not beside one of the photos' packed
+    micro-batches (about 22 k patches and 8 k tokens)."""
     from dhp.scripts.bench.one_gpu import _settings, choose_precision
     from dhp.stages.config import load_config
     from dhp.stages.trainer import model_config_of
 
-    mc = model_config_of(load_config("qwen2_5_vl_7b", ["model.name=qwen2_5_vl_3b"]))
-    settings = _settings("qwen2_5_vl_3b", 4128, 2, cuda=True)
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 1024, device_gib=200.0) == "fp32"
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=78.0) == "bf16"
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=78.0, asked="fp32") == "fp32"
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=None) == "fp32"  # no device: preset's
-    with pytest.raises(ValueError, match="fits no precision on this 20 GiB device at 16384 patches"):
-        choose_precision("qwen2_5_vl_7b", settings, mc, 16384, device_gib=20.0)
+    settings = [*_settings("qwen2_5_vl_3b", cuda=True), "training.global_batch_size=32"]
+    mc = model_config_of(load_config("qwen2_5_vl_7b", settings))
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 4096, device_gib=78.0) == "fp32"
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=78.0) == "bf16"
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=78.0, asked="fp32") == "fp32"
+    assert choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=None) == "fp32"  # no device: preset's
+    with pytest.raises(ValueError, match="fits no precision on this 20 GiB device at 24000 patches"):
+        choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=20.0)
 
 
-def test_a_side_that_fails_is_recorded_and_the_sides_before_it_kept(ray_session, tmp_path, monkeypatch, capsys):
-    """An out-of-memory at an image size (what a GPU may answer at 16 k patches) is kept in the JSON after the sides
-    before it, and the command exits 1; the failure is injected at the second side, since a CPU run of the tiny
-    shape has none."""
+def _ran(seconds: float, trained: dict, dhp: bool = False) -> dict:
+    """A system's result as `measure` gets it, without running it."""
+    out = {
+        "step_s": seconds,
+        "steps_s": [seconds, seconds],
+        "losses": [12.0, 11.0],
+        "trained": trained,
+        "peak_bytes": {"process": 1},
+        "peak_reserved_bytes": {"process": None},
+    }
+    if dhp:
+        boundary = {"boundary_s": 0.01, "copy_s": 0.005, "ray_s": 0.005}
+        out |= {"calls_s": {}, "peak_flops": 1e11, "bubble": 0.1, "boundary_s_per_microbatch": boundary}
+    return out
+
+
+def test_a_system_that_fails_is_recorded_and_what_ran_kept(tmp_path, monkeypatch, capsys):
+    """An out-of-memory of one loop at an image size (what a GPU may answer at 16 k patches) is kept in the JSON
+    beside the rows of the other systems at that size and of the sizes before it; the larger sizes are not run and
+    the command exits 1. The systems are stand-ins (the schedule is the subject), the workloads real."""
     import torch
 
     from dhp.scripts.bench import one_gpu as bench_one_gpu
+    from dhp.scripts.bench.one_process import trained
 
-    real, calls = bench_one_gpu.run_dhp, []
+    def counted(w):
+        return trained(w.metas)
 
-    def out_of_memory_at_the_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            assert json.loads(path.read_text())["complete"] is False  # the first side, written before this one
+    def stock(cfg, mc, w, steps, profile_steps):
+        if w.side == 140:
+            assert json.loads(path.read_text())["complete"] is False  # the first size, written before this one
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(*args, **kwargs)
+        return _ran(2.0, counted(w))
 
-    monkeypatch.setattr(bench_one_gpu, "run_dhp", out_of_memory_at_the_second)
+    monkeypatch.setattr(bench_one_gpu, "run_dhp", lambda cfg, mc, w, *a: _ran(1.0, counted(w), dhp=True))
+    monkeypatch.setattr(bench_one_gpu, "run_stock", stock)
+    monkeypatch.setattr(bench_one_gpu, "run_same_kernels", lambda cfg, mc, w, *a: _ran(0.5, counted(w)))
     path = tmp_path / "one_gpu.json"
-    args = argparse.Namespace(
-        json=str(path),
-        quick=True,
-        model=None,
-        sides="140,112",
-        steps=1,
-        microbatches=2,
-        precision=None,
-        profile=0,
-        boundaries=("host",),
-    )
-    assert main(args) == 1
+    assert main(_args(path, sides="168,140,112", profile=0)) == 1
     result = json.loads(path.read_text())
-    assert not result["complete"] and [(r["side"], r["system"]) for r in result["rows"]] == [
+    assert not result["complete"] and result["workload"] == "sides"
+    assert [(r["side"], r["system"]) for r in result["rows"]] == [
         (112, "dhp"),
         (112, "one process"),
-    ]  # smallest first
-    assert result["failed"] == {
-        "side": 140,
-        "patches": 100,
-        "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB",
-    }
-    assert "failed at 100 patches: OutOfMemoryError" in capsys.readouterr().out
+        (112, "one process, dhp kernels"),
+        (140, "dhp"),
+        (140, "one process, dhp kernels"),
+    ]  # smallest first; 168 never ran
+    assert [w["side"] for w in result["workloads"]] == [112, 140]
+    assert result["failed"] == [
+        {
+            "workload": "140 px",
+            "side": 140,
+            "system": "one process",
+            "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB",
+        }
+    ]
+    at_140 = {r["system"]: r for r in result["rows"] if r["side"] == 140}
+    assert "over_stock" not in at_140["dhp"] and at_140["dhp"]["over_same_kernels"] == 0.5
+    assert "one process failed on 140 px: OutOfMemoryError" in capsys.readouterr().out
 
 
 def test_the_device_counts_as_released_with_this_process_cache_in_it():

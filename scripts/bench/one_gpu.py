@@ -1,52 +1,72 @@
-"""`dhp bench one-gpu`: dhp on one device against the loop a user would write instead.
+"""`dhp bench one-gpu`: dhp on one device against the loops a user would write instead.
 
-    dhp bench one-gpu --json runs/bench/one_gpu.json [--quick] [--model qwen2_5_vl_3b] [--sides 448,896,1792]
-                      [--steps 20] [--microbatches 2] [--precision fp32|bf16]
+    dhp bench one-gpu --json runs/bench/one_gpu.json [--quick] [--model qwen2_5_vl_3b] [--photos N] [--shard PATH]
+                      [--sides 448,896,1792] [--steps N] [--microbatches 2] [--precision fp32|bf16]
 
-Systems, on the same device, one after the other in the same process tree:
-  dhp           a vision actor and a text actor sharing the device (`pipeline.placement=shared`, half a GPU
-                each), one precision for the whole run (`choose_precision`: the preset's fp32 master weights
-                if `dhp plan` fits them on the device at the largest image, else pure bf16; the 3B's fp32
-                states alone are 60 GB) and the preset's activation checkpointing, `Trainer.train_step` on
-                pre-built global batches (the data pipeline is `dhp bench data`'s subject, not this one's).
-  one process   transformers' `Qwen2_5_VLForConditionalGeneration`, the same precision (fp32 master weights under
-                bf16 autocast, or pure bf16), `gradient_checkpointing_enable()` where dhp checkpoints, AdamW with
-                dhp's hyper-parameters and clipping, the same micro-batches accumulated into one step.
+The workload, by default: real photos with their captions, packed. Each photo of an img2dataset WebDataset shard
+(`--shard`, default the repository's tests/assets/cc12m-train-0000.tar: 32 CC12M photos) at its original size
+(img2dataset's `original_width` x `original_height`: the shard stores them at 512 px), through dhp's preprocessor
+with the preset's `data.min_pixels` / `data.max_pixels` (the image processor's smart resize) and chat template;
+one global batch of all of them, packed by `data.microbatch_tokens` into micro-batches (`data.packing`), the same
+every step. `--sides` trains square noise images of these sides instead, `--microbatches` one-image micro-batches
+a step of each size (how the image size alone changes the picture).
 
-Per image side (448, 896, 1792 px: 1 024, 4 096, 16 384 patches) and system: the median step after one warm-up
-step, vision tokens/s (ViT patches), text tokens/s (decoder tokens, image placeholders included), model TFLOP/s and
-MFU (`run_log.throughput`, dhp's own FLOP count and peak), dhp's bubble and the milliseconds per micro-batch its
-pools spend moving embeddings and gradients across the boundary (`trace.boundary_seconds`), and peak memory: on a
-GPU `torch.cuda.max_memory_allocated` of each process and its peak reserved by the caching allocator (what two
-processes sharing a GPU each hold: neither can use the other's cache), next to `dhp plan`'s prediction per actor;
-on a CPU the processes' peak RSS (mostly libraries: no prediction is compared). `ratio` is dhp's tokens/s over
-the one-process loop's (the goal: >= 0.95). Weights are random (no released weights offline): speed does
-not depend on their values. Without `--model` the tiny architecture runs, which is what CI checks on CPU; CPU
-timings are labelled as such in the JSON.
+Systems, on the same device, one after the other in the same process tree, on the same micro-batches:
+  dhp                      a vision actor and a text actor sharing the device (`pipeline.placement=shared`,
+                           half a GPU each), `data.packing=true`, `training.optimizer=fused`, one precision for
+                           the whole run (`choose_precision`: the preset's fp32 master weights if `dhp plan` fits
+                           them on the device at the largest micro-batch, else pure bf16) and the preset's
+                           activation checkpointing, `Trainer.train_step` on pre-built global batches (the data
+                           pipeline is `dhp bench data`'s subject, not this one's).
+  one process              transformers' stock `Qwen2_5_VLForConditionalGeneration`, each micro-batch padded
+                           (scripts/bench/one_process.py `run_stock`).
+  one process, dhp kernels dhp's own modules, optimizer and clipped step in one process: grouped window attention,
+                           packed per-sample attention, fused AdamW (`run_same_kernels`).
+
+Per workload and system: the median step after one warm-up step, each step's loss, what it trained (the same
+counts for all three, padding aside), vision tokens/s (ViT patches), text tokens/s (decoder tokens, image
+placeholders included, padding not), model TFLOP/s and MFU (`run_log.throughput`, dhp's own FLOP count and peak),
+dhp's bubble and the milliseconds per micro-batch its pools spend moving embeddings and gradients across the
+boundary (`trace.boundary_seconds`), and peak memory: on a GPU `torch.cuda.max_memory_allocated` of each process
+and its peak reserved by the caching allocator (what two processes sharing a GPU each hold: neither can use the
+other's cache), next to `dhp plan`'s prediction per actor; on a CPU the processes' peak RSS (mostly libraries: no
+prediction is compared). `over_stock` is a row's tokens/s over the stock loop's; `over_same_kernels`, on dhp's
+rows, dhp's tokens/s over the same-kernel loop's: the framework's cost (the goal: >= 0.95). Weights are random (no
+released weights offline): speed does not depend on their values. Without `--model` the tiny architecture runs,
+which is what CI checks on CPU; CPU timings are labelled as such in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
+import functools
+import io
+import json
 import os
 import platform
 import resource
 import statistics
+import tarfile
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dhp.scripts.bench.one_process import PAD_ID, run_same_kernels, run_stock, trained
 from dhp.scripts.results import write_json
 
+SHARD = Path(__file__).resolve().parents[2] / "tests" / "assets" / "cc12m-train-0000.tar"  # tests/assets/README.md
+QUICK_PHOTOS, QUICK_BUDGET = 4, 256  # the tiny shape's photos are ~100 tokens: 2 packed micro-batches of 2
 SIDES = (448, 896, 1792)  # px: 1 024, 4 096 and 16 384 patches of 14
-QUICK_SIDES = (112,)  # 64 patches
+STEPS = {"photos": 8, "sides": 20}  # a step of the photos trains 32 photos, one of a side 2 images
+STOCK, SAME_KERNELS = "one process", "one process, dhp kernels"
 
 
-def _settings(model: str | None, length: int, microbatches: int, cuda: bool) -> list[str]:
+def _settings(model: str | None, cuda: bool) -> list[str]:
+    """What every system of every workload runs with (a workload adds its data settings)."""
     # No loader runs (the batches are built here), so no preprocessing CPUs: the GPU preset's 2 x 8 would not fit.
     resources = [
         "vision.num_cpus_per_actor=0.5",
@@ -69,12 +89,124 @@ def _settings(model: str | None, length: int, microbatches: int, cuda: bool) -> 
         "text.num_actors=1",
         "text.degree=1",
         "pipeline.placement=shared",
-        f"data.microbatch_tokens={length}",
-        f"data.max_seq_len={length}",
-        f"training.global_batch_size={microbatches}",
+        "data.packing=true",
+        "training.optimizer=fused",
         "training.warmup_steps=0",
         "pipeline.trace=true",
     ]
+
+
+@dataclass
+class Workload:
+    """One global batch that every system trains at every step: `samples` (dhp's preprocessed form) and the
+    micro-batches `groups` (indices into `samples`), with the data settings that describe it."""
+
+    name: str  # "photos", or "448 px"
+    samples: list[dict[str, Any]]
+    groups: list[list[int]]
+    settings: list[str]
+    side: int | None = None  # a square image's side (`--sides`)
+
+    def microbatches(self, packed: bool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(vision inputs, text inputs) of each micro-batch: the text packed or padded (dataflow/packing.py)."""
+        from dhp.dataflow.packing import microbatch_inputs
+
+        return [microbatch_inputs([self.samples[i] for i in g], PAD_ID, packed) for g in self.groups]
+
+    @functools.cached_property
+    def metas(self) -> list[Any]:
+        """Each packed micro-batch's `MicroBatchMeta`: what MFU counts for every system."""
+        from dhp.dataflow.packing import meta_of
+
+        return [meta_of(v, t) for v, t in self.microbatches(packed=True)]
+
+    def largest_patches(self) -> int:
+        """Patches of the largest micro-batch: what `dhp plan` is asked about."""
+        return max(m.patches for m in self.metas)
+
+    def as_batches(self) -> list[Any]:
+        """The step as the `GlobalBatch` list `run_log.throughput` reads (metadata only)."""
+        from dhp.dataflow.loader import GlobalBatch, MicroBatch
+
+        return [GlobalBatch([MicroBatch([], None, m) for m in self.metas], epoch=0)]
+
+
+def original_sizes(shard: Path) -> dict[str, tuple[int, int]]:
+    """Each sample's (width, height) before img2dataset resized it, from its `.json` member."""
+    sizes = {}
+    with tarfile.open(shard) as tar:
+        for member in tar:
+            if member.isfile() and member.name.endswith(".json"):
+                meta = json.loads(tar.extractfile(member).read())
+                sizes[member.name.split(".", 1)[0]] = (meta["original_width"], meta["original_height"])
+    return sizes
+
+
+def at_size(image: bytes, size: tuple[int, int]) -> bytes:
+    """An image file's bytes with its pixels resized to `size` (JPEG; the same bytes when already that size)."""
+    from PIL import Image
+
+    picture = Image.open(io.BytesIO(image))
+    if picture.size == tuple(size):
+        return image
+    out = io.BytesIO()
+    picture.convert("RGB").resize(size, Image.BICUBIC).save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def photo_samples(cfg: Any, mc: Any, shard: Path, count: int | None) -> list[dict[str, Any]]:
+    """The first `count` (None: all) photos of `shard` at their original sizes, preprocessed as dhp's loader
+    does under `cfg` (its prompt, caption field, min/max pixels, tokenizer); a skipped record is an error."""
+    import pyarrow.fs as pafs
+
+    from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+    from dhp.dataflow.webdataset import shard_rows
+
+    d = cfg.data
+    settings = PreprocessSettings(
+        "", d.min_pixels, d.max_pixels, d.max_seq_len, tokenizer_path=cfg.model.tokenizer_path or cfg.model.path
+    )
+    preprocess, sizes = Preprocessor(settings, mc), original_sizes(shard)
+    rows = shard_rows(pafs.LocalFileSystem(), str(shard), shard.name, d.webdataset.prompt, d.webdataset.caption)
+    samples = []
+    for row in rows[:count]:
+        if not row["skip"]:
+            row = {**row, "image": at_size(row["image"], sizes[row["source"].rsplit(":", 1)[1]])}
+        out = preprocess(row)
+        if out["error"]:
+            raise ValueError(f"{out['source']}: {out['error']}: {out['detail']}")
+        samples.append(decode_sample(out["sample"]))
+    return samples
+
+
+def photos_workload(cfg: Any, mc: Any, shard: Path, count: int | None, budget: int | None = None) -> Workload:
+    """The photos as one global batch packed into micro-batches of at most `budget` tokens (default the
+    preset's `data.microbatch_tokens`)."""
+    from dhp.dataflow.packing import pack
+
+    samples = photo_samples(cfg, mc, shard, count)
+    budget = budget or cfg.data.microbatch_tokens
+    groups = pack([s["input_ids"].shape[0] for s in samples], budget, packed=True)
+    settings = [
+        f"data.microbatch_tokens={budget}",
+        f"data.max_seq_len={min(cfg.data.max_seq_len, budget)}",  # a sample longer than a micro-batch: refused
+        f"training.global_batch_size={len(samples)}",
+    ]
+    return Workload("photos", samples, groups, settings)
+
+
+def side_workload(mc: Any, side: int, microbatches: int, root: Path) -> Workload:
+    """`microbatches` one-image micro-batches of one seeded noise image, `side` px square."""
+    from dhp.scripts.peers.probe import image_sample
+
+    sample = image_sample(mc, side, root)
+    length = len(sample["input_ids"])
+    settings = [
+        f"data.microbatch_tokens={length}",
+        f"data.max_seq_len={length}",
+        f"training.global_batch_size={microbatches}",
+    ]
+    return Workload(f"{side} px", [sample], [[0]] * microbatches, settings, side)
 
 
 def _peak_bytes(_worker: Any = None) -> int:
@@ -246,21 +378,72 @@ def profile_dhp(trainer: Any, batches: list[Any], steps: int) -> dict[str, dict[
     return dict(zip(actors, ray.get([a.__ray_call__.remote(_profile_stop, wall) for a in actors.values()])))
 
 
-def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int, profile_steps: int = 0) -> dict[str, Any]:
-    """dhp's steps on pre-built batches: median step, per-call medians, each actor's peak, the MFU peak, the
-    median bubble and the boundary's seconds per micro-batch over the measured steps; with `profile_steps`, that
-    many more steps under torch.profiler in each pool (`profile_dhp`)."""
+def ensure_ray() -> None:
+    """Ray for dhp's actors, on the first dhp run: the one RAY_ADDRESS names (scripts/gpu_session.sh starts one for
+    its steps), else a local one of this process's own (`run` shuts it down)."""
     import ray
 
-    from dhp.scripts.bench.time_model import global_batches, timed_steps
-    from dhp.stages.run_log import peak_of
-    from dhp.stages.trace import boundary_seconds
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        local = {"address": "local", "num_cpus": 4, "include_dashboard": False}
+        ray.init(**({"address": address} if address else local), log_to_driver=False)
+
+
+@contextmanager
+def new_trainer(cfg: Any, mc: Any) -> Iterator[Any]:
+    """A `Trainer` of `cfg` for one system's run, shut down after it (and on a GPU, until its actors' memory is
+    back: the next system needs the device)."""
     from dhp.stages.trainer import Trainer
 
     trainer = Trainer(cfg, model_config=mc)
-    metrics: list[dict] = []
     try:
-        batches = global_batches(sample, cfg, mc, microbatches, 1)
+        yield trainer
+    finally:
+        trainer.shutdown()
+        if cfg.vision.num_gpus_per_actor:  # also after a failed run
+            _wait_for_free_device()
+
+
+def dhp_batches(workload: Workload, cfg: Any, mc: Any) -> list[Any]:
+    """The workload as the one replica's `GlobalBatch`, its micro-batches in Ray's object store and split for
+    the vision ranks as dhp's loader splits them (`dataflow/loader.py`)."""
+    import ray
+
+    from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
+    from dhp.dataflow.packing import meta_of
+    from dhp.models.parallel.layouts import stage_layout
+
+    sp = stage_layout(cfg, "vision", mc).loader_shards
+    microbatches = []
+    for vision, text in workload.microbatches(packed=cfg.data.packing):
+        meta = meta_of(vision, text)
+        parts = split_for_ranks(vision, text, sp, mc)
+        microbatches.append(MicroBatch([ray.put(p) for p in parts], ray.put(text), meta))
+    return [GlobalBatch(microbatches, epoch=0)]
+
+
+def run_dhp(
+    cfg: Any,
+    mc: Any,
+    workload: Workload,
+    steps: int,
+    profile_steps: int = 0,
+    trainers: Callable[[Any], Any] | None = None,
+) -> dict[str, Any]:
+    """dhp's steps on the workload: median step, each step's loss, what it trained, per-call medians, each actor's
+    peak, the MFU peak, the median bubble and the boundary's seconds per micro-batch over the measured steps; with
+    `profile_steps`, that many more steps under torch.profiler in each pool (`profile_dhp`). `trainers(cfg)`: a
+    context manager giving the trainer (default `new_trainer`; the tests' keeps it for the next)."""
+    import ray
+
+    from dhp.scripts.bench.time_model import timed_steps
+    from dhp.stages.run_log import peak_of
+    from dhp.stages.trace import boundary_seconds
+
+    ensure_ray()
+    metrics: list[dict] = []
+    with (trainers or (lambda c: new_trainer(c, mc)))(cfg) as trainer:
+        batches = dhp_batches(workload, cfg, mc)
         ray.get([pool.actors[0].__ray_call__.remote(_reset_peak) for _, pool in trainer.pools()])
         times, calls = timed_steps(trainer, batches, steps, metrics)
         peaks, reserved = (
@@ -271,20 +454,20 @@ def run_dhp(cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int, prof
         boundary = boundary_seconds(e for e in trainer.traced_events() if e["step"] > 1)  # the warm-up is step 1
         # after the measured steps, so the profiler's overhead is in none of them
         profiles = profile_dhp(trainer, batches, profile_steps) if profile_steps else None
-    finally:
-        trainer.shutdown()
-        if cfg.vision.num_gpus_per_actor:  # also after a failed run: the next system needs the device back
-            _wait_for_free_device()
+    metas = [mb.meta for b in batches for mb in b.microbatches]
+    first = metrics[0]  # the trainer's own counts, and the micro-batches' for what it does not count
+    counted = {**trained(metas), **{k: first[k] for k in ("samples", "tokens", "label_tokens", "microbatches")}}
     return {
         "step_s": statistics.median(times[1:]),
         "steps_s": times,
+        "losses": [m["loss"] for m in metrics],
+        "trained": counted,
         "peak_bytes": peaks,
         "peak_reserved_bytes": reserved,
         "calls_s": calls,
         "peak_flops": peak.flops,
         "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
         "boundary_s_per_microbatch": boundary,
-        "batches": batches,
         **({"profile": profiles} if profiles else {}),
     }
 
@@ -307,86 +490,13 @@ def _system(boundary: str) -> str:
     return f"dhp {boundary}" if transport_of(boundary).direct else "dhp"
 
 
-def run_one_process(
-    cfg: Any, mc: Any, sample: dict, microbatches: int, steps: int, profile_steps: int = 0
-) -> dict[str, Any]:
-    """The same steps as one transformers model in this process: median step and the process's peak; with
-    `profile_steps`, that many more steps under torch.profiler (`profiled`, `profile_summary`)."""
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from dhp.models.activation_checkpointing import ActivationCheckpointing
-    from dhp.models.precision import precision_of
-    from dhp.scripts.peers.deepspeed_zero3 import hf_batch
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    precision, t = precision_of(cfg.model.precision), cfg.training
-    torch.manual_seed(0)
-    with device:  # initialized where it trains: a released shape's random init on the host takes minutes
-        model = Qwen2_5_VLForConditionalGeneration._from_config(  # a copy: _from_config sets its dtype
-            copy.deepcopy(mc), attn_implementation=cfg.model.attn_implementation, dtype=precision.param_dtype
-        ).train()
-    if all(ActivationCheckpointing.of(getattr(cfg, stage)).recomputes for stage in ("vision", "text")):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
-    )
-    batch = {k: v.to(device) for k, v in hf_batch(sample, precision.param_dtype).items()}  # as the DeepSpeed peer's
-    autocast = precision.autocast(device, precision.compute_dtype(cfg.model.dtype))
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-
-    def step(model: Any, optimizer: Any, batch: dict) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(microbatches):
-            with autocast:
-                loss = model(**batch).loss
-            loss.backward()
-            del loss  # its graph's leaves are the parameters: a live loss keeps the model after `del model`
-        if t.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    times = [step(model, optimizer, batch) for _ in range(1 + steps)]
-    peak, reserved = _peak_bytes(), _peak_reserved()
-    summary = None
-    if profile_steps:  # after the measured steps, so the profiler's overhead is in none of them
-        with profiled(profile_steps) as prof:
-            wall = 0.0
-            for i in range(1 + profile_steps):  # the first is the profiler's warm-up, not recorded
-                seconds = step(model, optimizer, batch)
-                wall += seconds if i else 0.0
-                prof.step()
-        began = time.perf_counter()
-        summary = profile_summary(prof.events(), wall)
-        summary = {"process": {**summary, "summary_s": time.perf_counter() - began}}
-    del model, optimizer, batch
-    gc.collect()  # before the cache is emptied: what a reference cycle still holds is not free to give back
-    if cuda:
-        torch.cuda.empty_cache()
-    return {
-        "step_s": statistics.median(times[1:]),
-        "steps_s": times,
-        "peak_bytes": {"process": peak},
-        "peak_reserved_bytes": {"process": reserved},
-        **({"profile": summary} if summary else {}),
-    }
-
-
 def choose_precision(
     base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None, asked: str | None = None
 ) -> str:
-    """`asked`, else the preset's precision if `dhp plan` fits it on `device_gib` at `patches` (the largest image
-    of the run), else pure bf16: fp32 master weights take 16 bytes a parameter, 60 GB for the 3B's 3.75 B, too
-    much beside 16 k-patch activations on an 80 GB GPU. Raises when not even bf16 fits (a bench that would run
-    out of memory on the device after spending its time). No device (CPU): the preset's."""
+    """`asked`, else the preset's precision if `dhp plan` fits it on `device_gib` at `patches` (the largest
+    micro-batch of the run), else pure bf16: fp32 master weights take 16 bytes a parameter, 60 GB for the 3B's
+    3.75 B. Raises when not even bf16 fits (a bench that would run out of memory on the device after spending
+    its time). No device (CPU): the preset's."""
     from dhp.models.planning.memory_plan import GIB, plan
     from dhp.stages.config import load_config
 
@@ -401,8 +511,110 @@ def choose_precision(
         tried.append(f"{name}: {result['per_device'] / GIB:.1f} GiB")
     raise ValueError(
         f"the plan fits no precision on this {device_gib:.0f} GiB device at {patches} patches "
-        f"({'; '.join(tried)}): ask for smaller --sides"
+        f"({'; '.join(tried)}): ask for smaller --sides or fewer --photos"
     )
+
+
+def workloads(
+    quick: bool,
+    preset: Any,
+    mc: Any,
+    sides: list[int] | None,
+    microbatches: int,
+    photos: int | None,
+    shard: Path | None,
+    root: Path,
+) -> list[Workload]:
+    """The square images of `sides` (smallest first), else the photos (`--quick`: a few, in small micro-batches)."""
+    if sides:
+        return [side_workload(mc, side, microbatches, root) for side in sorted(sides)]
+    count = photos or (QUICK_PHOTOS if quick else None)
+    return [photos_workload(preset, mc, shard or SHARD, count, QUICK_BUDGET if quick else None)]
+
+
+def measure(
+    w: Workload,
+    base: str,
+    settings: list[str],
+    mc: Any,
+    steps: int,
+    profile_steps: int,
+    boundaries: tuple[str, ...],
+    trainers: Callable[[Any], Any] | None = None,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every system on `w`: (system -> its result, the dhp boundaries that failed, the systems that failed). dhp
+    once per `pipeline.boundary`: the first one's failure raises (without it the workload has no dhp row), a later
+    one's is kept apart (a transport in alpha in Ray); then the loops, a failure of one (an out-of-memory is a
+    finding) recorded and the others' results kept. The first boundary's dhp run and each loop are profiled."""
+    from dhp.stages.config import load_config
+
+    results, failed_boundaries, failed = {}, [], []
+    for boundary in boundaries:
+        try:
+            cfg = load_config(base, [*settings, f"pipeline.boundary={boundary}"])
+            profile = profile_steps if not results else 0
+            results[_system(boundary)] = run_dhp(cfg, mc, w, steps, profile, trainers)
+        except Exception as e:
+            if not results:
+                raise
+            failed_boundaries.append({**failure(w, _system(boundary), e), "boundary": boundary})
+    cfg = load_config(base, settings)
+    for system, loop in ((STOCK, run_stock), (SAME_KERNELS, run_same_kernels)):
+        try:
+            results[system] = loop(cfg, mc, w, steps, profile_steps)
+        except Exception as e:
+            failed.append(failure(w, system, e))
+    return results, failed_boundaries, failed
+
+
+def failure(w: Workload, system: str, e: BaseException) -> dict[str, Any]:
+    """What the JSON keeps of a system's exception on `w` (printed too, as it happens)."""
+    error = f"{type(e).__name__}: {e}"[:2000]
+    print(f"{w.name}, {system}: {error}", flush=True)
+    return {"workload": w.name, "side": w.side, "system": system, "error": error}
+
+
+def rows_of(w: Workload, results: dict[str, dict[str, Any]], mc: Any, planned: dict[str, int]) -> list[dict]:
+    """One row per system that ran, with the throughput ratios between them."""
+    from dhp.stages.run_log import throughput
+
+    peak_flops = next(iter(results.values()))["peak_flops"]  # dhp's: the device's (the first result is dhp's)
+    rows = []
+    for system, r in results.items():
+        counted = r["trained"]
+        rates = throughput(w.as_batches(), mc, r["step_s"], peak_flops)
+        rows.append(
+            {
+                "workload": w.name,
+                "side": w.side,
+                "patches": rates["vision_tokens"],  # a step's
+                "system": system,
+                "step_s": r["step_s"],
+                "steps_s": r["steps_s"],
+                "losses": r["losses"],
+                "trained": counted,
+                "peak_bytes": r["peak_bytes"],
+                "peak_reserved_bytes": r["peak_reserved_bytes"],
+                "calls_s": r.get("calls_s", {}),
+                **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "profile") if k in r},
+                "planned_bytes": planned if system.startswith("dhp") else {},
+                "vision_tokens_per_s": rates["vision_tokens"] / r["step_s"],
+                "text_tokens_per_s": rates["text_tokens"] / r["step_s"],
+                **rates,
+                # of the decoder token slots this system computed (the stock loop pads each micro-batch)
+                "padding_share": 1 - counted["tokens"] / counted["padded_tokens"],
+            }
+        )
+    for row in rows:
+        r = results[row["system"]]
+        if row["system"] != STOCK and STOCK in results:
+            row["over_stock"] = results[STOCK]["step_s"] / r["step_s"]  # its tokens/s over the stock loop's
+        if row["system"].startswith("dhp") and SAME_KERNELS in results:  # dhp over itself without the framework
+            row["over_same_kernels"] = results[SAME_KERNELS]["step_s"] / r["step_s"]
+        if "boundary_s_per_microbatch" in r:  # of dhp's step: both pools' rank 0 moving embeddings and gradients
+            moved = r["boundary_s_per_microbatch"]["boundary_s"]
+            row["boundary_share"] = r["trained"]["microbatches"] * moved / r["step_s"]
+    return rows
 
 
 def run(
@@ -412,27 +624,30 @@ def run(
     steps: int | None = None,
     microbatches: int = 2,
     precision: str | None = None,
-    on_side: Callable[[dict[str, Any]], None] | None = None,
+    on_workload: Callable[[dict[str, Any]], None] | None = None,
     profile_steps: int = 0,
     boundaries: tuple[str, ...] = ("host",),
+    photos: int | None = None,
+    shard: Path | None = None,
+    trainers: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
-    """Both systems at each side, smallest first; dhp once per `pipeline.boundary` in `boundaries` (a row
-    each: "dhp" for host, "dhp cuda_ipc", ...). `on_side` is handed the result so far after each side
-    (`complete` false until the last), so a run cut off by a time limit keeps the sides it finished."""
+    """Every system on each workload (the photos; or each side, smallest first); dhp once per `pipeline.boundary`
+    in `boundaries` (a row each: "dhp" for host, "dhp cuda_ipc", ...). `on_workload` is handed the result so far
+    after each workload (`complete` false until the last), so a run cut off by a time limit keeps the workloads it
+    finished; a workload where a system failed is the last one run."""
     import ray
     import torch
 
     from dhp.models.planning.memory_plan import plan
-    from dhp.scripts.peers.probe import image_sample, patches
     from dhp.stages.config import load_config
-    from dhp.stages.run_log import throughput
     from dhp.stages.trainer import model_config_of
 
     cuda = torch.cuda.is_available()
-    sides = sorted(sides or (QUICK_SIDES if quick else SIDES))
-    steps = steps or (2 if quick else 20)
-    base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision and checkpointing
-    mc = model_config_of(load_config(base, [f"model.name={model}"] if model else []))
+    steps = steps or (2 if quick else STEPS["sides" if sides else "photos"])
+    base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision, checkpointing, pixels and packing budget
+    common = _settings(model, cuda)
+    preset = load_config(base, common)
+    mc = model_config_of(preset)
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
     head = {
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
@@ -441,97 +656,71 @@ def run(
         "model": model or "tiny",
         "precision": precision,
         "device_gib": device_gib,
-        "microbatches": microbatches,
+        "workload": "sides" if sides else "photos",
         "steps": steps,
     }
-    started = not ray.is_initialized()
-    if started:  # a running Ray where RAY_ADDRESS names one (scripts/gpu_session.sh starts one for its steps)
-        address = os.environ.get("RAY_ADDRESS")
-        local = {"address": "local", "num_cpus": 4, "include_dashboard": False}
-        ray.init(**({"address": address} if address else local), log_to_driver=False)
-    rows = []
+    had_ray, rows, failed = ray.is_initialized(), [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            samples = {side: image_sample(mc, side, Path(tmp)) for side in sides}
-            settings = {side: _settings(model, len(samples[side]["input_ids"]), microbatches, cuda) for side in sides}
-            largest = max(sides)
-            precision = choose_precision(base, settings[largest], mc, patches(largest), device_gib, precision)
+            todo = workloads(quick, preset, mc, sides, microbatches, photos, shard, Path(tmp))
+            largest = max(todo, key=Workload.largest_patches)
+            precision = choose_precision(
+                base, [*common, *largest.settings], mc, largest.largest_patches(), device_gib, precision
+            )
             head["precision"] = precision
             print(f"precision: {precision}", flush=True)
-            for side in sides:
-                sample, length = samples[side], len(samples[side]["input_ids"])
-                cfg = load_config(base, [*settings[side], f"model.precision={precision}"])
-                planned = {s: p.total for s, p in plan(cfg, mc, vision_patches=patches(side))["ranks"].items()}
+            for w in todo:
+                settings = [*common, *w.settings, f"model.precision={precision}"]
+                head.setdefault("workloads", []).append(_described(w))
+                ranks = plan(load_config(base, settings), mc, vision_patches=w.largest_patches())["ranks"]
+                planned = {s: p.total for s, p in ranks.items()} if cuda else {}
                 try:
-                    dhps = {}
-                    for boundary in boundaries:
-                        try:
-                            dhps[boundary] = run_dhp(
-                                load_config(
-                                    base,
-                                    [*settings[side], f"model.precision={precision}", f"pipeline.boundary={boundary}"],
-                                ),
-                                mc,
-                                sample,
-                                microbatches,
-                                steps,
-                                profile_steps if not dhps else 0,
-                            )  # the first boundary's row is profiled
-                        except Exception as e:  # a later transport (alpha in Ray) failing keeps the others' rows
-                            if not dhps:  # the first boundary is the side's baseline: without it, no dhp row
-                                raise
-                            error = f"{type(e).__name__}: {e}"[:2000]
-                            head.setdefault("failed_boundaries", []).append(
-                                {"boundary": boundary, "side": side, "patches": patches(side), "error": error}
-                            )
-                            print(f"side {side}, pipeline.boundary={boundary}: {error}", flush=True)
-                    alone = run_one_process(cfg, mc, sample, microbatches, steps, profile_steps)
-                except Exception as e:  # an OOM at the largest image is a finding: keep it and the sides before
-                    error = f"{type(e).__name__}: {e}"[:2000]
-                    head["failed"] = {"side": side, "patches": patches(side), "error": error}
-                    print(f"side {side}: {error}", flush=True)
-                    break
-                batches = [r.pop("batches") for r in dhps.values()][0]  # the same batches for each
-                systems = [(_system(b), r) for b, r in dhps.items()]
-                for system, r in [*systems, ("one process", alone)]:
-                    rows.append(
-                        {
-                            "side": side,
-                            "patches": patches(side),
-                            "sample_tokens": length,
-                            "system": system,
-                            "step_s": r["step_s"],
-                            "steps_s": r["steps_s"],
-                            "peak_bytes": r["peak_bytes"],
-                            "peak_reserved_bytes": r["peak_reserved_bytes"],
-                            "calls_s": r.get("calls_s", {}),
-                            **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "profile") if k in r},
-                            "planned_bytes": planned if cuda and r is not alone else {},
-                            "vision_tokens_per_s": microbatches * patches(side) / r["step_s"],
-                            "text_tokens_per_s": microbatches * length / r["step_s"],
-                            **throughput(batches, mc, r["step_s"], systems[0][1]["peak_flops"]),
-                        }
+                    results, boundaries_failed, failures = measure(
+                        w, base, settings, mc, steps, profile_steps, boundaries, trainers
                     )
-                for row, (_, r) in zip(rows[-1 - len(systems) : -1], systems):
-                    row["ratio"] = alone["step_s"] / r["step_s"]  # dhp's tokens/s over the loop's
-                    # of dhp's step: both pools' rank 0 moving embeddings and gradients (they may overlap other work)
-                    row["boundary_share"] = microbatches * r["boundary_s_per_microbatch"]["boundary_s"] / r["step_s"]
-                if on_side:
-                    on_side({**head, "complete": side == sides[-1], "rows": rows})
+                except Exception as e:  # an OOM at the largest image is a finding: keep it and the workloads before
+                    results, boundaries_failed, failures = {}, [], [failure(w, _system(boundaries[0]), e)]
+                rows += rows_of(w, results, mc, planned) if results else []
+                failed += failures
+                if boundaries_failed:
+                    head.setdefault("failed_boundaries", []).extend(boundaries_failed)
+                if on_workload:
+                    done = not failed and w is todo[-1]
+                    on_workload({**head, "complete": done, "rows": rows, **({"failed": failed} if failed else {})})
+                if failed:
+                    break
     finally:
-        if started:
+        if not had_ray and ray.is_initialized():  # the one `ensure_ray` started
             ray.shutdown()
-    return {**head, "complete": "failed" not in head, "rows": rows}
+    return {**head, "complete": not failed, "rows": rows, **({"failed": failed} if failed else {})}
+
+
+def _described(w: Workload) -> dict[str, Any]:
+    """A workload's shape in the JSON's head: its samples, micro-batches, and each micro-batch's sizes."""
+    metas = w.metas
+    return {
+        "name": w.name,
+        "side": w.side,
+        "samples": len(w.samples),
+        "microbatches": [
+            {"samples": m.samples, "images": m.images, "patches": m.patches, "tokens": m.tokens} for m in metas
+        ],
+        "settings": w.settings,
+    }
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.3f}" if key in row else ""
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} on {result['device']} ({result['timings']}), {result['precision']}, "
-        f"{result['microbatches']} micro-batches a step, median of {result['steps']} steps",
+        f"median of {result['steps']} steps",
         "",
-        "| patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | peak GiB[/reserved] (planned) "
-        "| bubble | boundary ms/mb (share) | dhp / loop |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
+        "| workload | patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | padding "
+        "| peak GiB[/reserved] (planned) | bubble | boundary ms/mb (share) | ÷ stock | ÷ same kernels |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|",
     ]
     for r in result["rows"]:
         reserved = r.get("peak_reserved_bytes", {})
@@ -541,7 +730,6 @@ def table(result: dict[str, Any]) -> str:
             + (f" ({r['planned_bytes'][k] / 2**30:.2f})" if k in r["planned_bytes"] else "")
             for k, v in r["peak_bytes"].items()
         )
-        ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
         bubble = f"{r['bubble']:.3f}" if "bubble" in r else ""
         boundary = (
             f"{r['boundary_s_per_microbatch']['boundary_s'] * 1e3:.1f} ({r['boundary_share']:.1%})"
@@ -549,31 +737,33 @@ def table(result: dict[str, Any]) -> str:
             else ""
         )
         lines.append(
-            f"| {r['patches']} | {r['system']} | {r['step_s']:.3f} | {r['vision_tokens_per_s']:.0f} | "
-            f"{r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | {r['mfu']:.3g} | {peak} | "
-            f"{bubble} | {boundary} | {ratio} |"
+            f"| {r['workload']} | {r['patches']} | {r['system']} | {r['step_s']:.3f} | "
+            f"{r['vision_tokens_per_s']:.0f} | {r['text_tokens_per_s']:.0f} | {r['model_tflops_per_s']:.3g} | "
+            f"{r['mfu']:.3g} | {r['padding_share']:.1%} | {peak} | {bubble} | {boundary} | "
+            f"{_ratio(r, 'over_stock')} | {_ratio(r, 'over_same_kernels')} |"
         )
     for r in result["rows"]:
         for process, prof in r.get("profile", {}).items():
             top = ", ".join(f"{o['op'][:60]} {o['device_s'] * 1e3:.0f} ms" for o in prof["top_device"][:3])
             who = r["system"] if process == "process" else f"{r['system']} {process}"
             lines.append(
-                f"\nprofiled {r['patches']} patches, {who}: device busy "
+                f"\nprofiled {r['workload']}, {who}: device busy "
                 f"{prof['device_busy_share']:.0%} of {prof['wall_s']:.2f} s "
                 f"({prof['device_gaps']['count']} gaps, {prof['device_gaps']['total_s'] * 1e3:.0f} ms); "
                 f"most device time: {top or 'none (no device)'}"
             )
     for f in result.get("failed_boundaries", []):
-        lines.append(f"\npipeline.boundary={f['boundary']} failed at {f['patches']} patches: {f['error'][:300]}")
-    if "failed" in result:
-        lines.append(f"\nfailed at {result['failed']['patches']} patches: {result['failed']['error'][:300]}")
+        lines.append(f"\npipeline.boundary={f['boundary']} failed on {f['workload']}: {f['error'][:300]}")
+    for f in result.get("failed", []):
+        lines.append(f"\n{f['system']} failed on {f['workload']}: {f['error'][:300]}")
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, trainers: Callable[[Any], Any] | None = None) -> int:
+    """`trainers`: how dhp gets its trainer (`run_dhp`; the tests keep theirs between tests)."""
     sides = [int(s) for s in args.sides.split(",")] if args.sides else None
 
-    def finished_side(partial: dict[str, Any]) -> None:  # what a time-limited GPU run keeps if cut off
+    def finished_workload(partial: dict[str, Any]) -> None:  # what a time-limited GPU run keeps if cut off
         if args.json:
             write_json(args.json, partial)
         print(table(partial), flush=True)
@@ -585,9 +775,12 @@ def main(args: argparse.Namespace) -> int:
         args.steps,
         args.microbatches,
         args.precision,
-        finished_side,
+        finished_workload,
         args.profile,
         args.boundaries,
+        args.photos,
+        Path(args.shard) if args.shard else None,
+        trainers,
     )
     if args.json:
         write_json(args.json, result)
@@ -599,25 +792,41 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "one-gpu",
-        help="dhp (vision + text actor sharing one device) vs a one-process transformers "
-        "loop: tokens/s, MFU, peak memory",
+        help="dhp (vision + text actor sharing one device) vs a one-process transformers loop and a one-process "
+        "loop of dhp's kernels, on real photos packed: tokens/s, MFU, peak memory",
     )
     p.add_argument(
         "--json",
         default=None,
-        help="write the rows here (after each image size, so a cut-off run keeps the sizes it finished)",
+        help="write the rows here (after each workload, so a cut-off run keeps the workloads it finished)",
     )
-    p.add_argument("--quick", action="store_true", help="one 64-patch image, 2 steps (what CI runs)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_PHOTOS} photos in micro-batches of {QUICK_BUDGET} tokens, 2 steps (what CI runs)",
+    )
     p.add_argument("--model", default=None, help="a released shape, e.g. qwen2_5_vl_3b (default: tiny)")
-    p.add_argument("--sides", default=None, help="image sides in px, comma-separated (default 448,896,1792)")
-    p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up (default 20)")
-    p.add_argument("--microbatches", type=int, default=2, help="one-image micro-batches per step (default 2)")
+    p.add_argument("--shard", default=None, help="the photos' WebDataset shard (default tests/assets' 32 photos)")
+    p.add_argument("--photos", type=int, default=None, help="train the first N photos of the shard (default all)")
+    p.add_argument(
+        "--sides",
+        default=None,
+        help="instead of the photos, square noise images of these sides in px, comma-separated (e.g. "
+        f"{','.join(map(str, SIDES))}), --microbatches of them a step",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"measured steps after one warm-up (default {STEPS['photos']} for the photos, {STEPS['sides']} a side)",
+    )
+    p.add_argument("--microbatches", type=int, default=2, help="with --sides: one-image micro-batches a step")
     p.add_argument(
         "--profile",
         type=int,
         default=0,
         metavar="STEPS",
-        help="after the measured steps, run this many more (after one warm-up) of the one-process loop "
+        help="after the measured steps, run this many more (after one warm-up) of each one-process loop "
         "and of dhp (its first boundary) under torch.profiler, in dhp's vision and text actors "
         "each, and keep the device's busy share and the top operators in the JSON (default 0: none)",
     )
@@ -632,6 +841,6 @@ def add_parser(sub: Any) -> None:
         "--precision",
         default=None,
         choices=["fp32", "bf16"],
-        help="model.precision for both systems (default: the preset's if `dhp plan` fits it on the "
-        "device at the largest side, else bf16)",
+        help="model.precision for every system (default: the preset's if `dhp plan` fits it on the "
+        "device at the largest micro-batch, else bf16)",
     )
