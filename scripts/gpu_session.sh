@@ -5,14 +5,14 @@
 #   bash scripts/gpu_bundle.sh                  # here, once: .gpu_bundle/site.tar.xz
 #   on the GPU machine, with .gpu_bundle beside the checkout, within 600 s:  bash scripts/gpu_session.sh all
 #
-# `all` runs the steps in STEPS in order of what they prove (the CUDA path, then dhp against one process on
-# the 3B, then the peers), each under its own time limit cut from BUDGET_S (default 570 s from the script's
-# start, setup included) so that a hang in one leaves time for the next; a step stopped at its limit is sent
-# SIGINT (pytest prints its summary, the benches shut down) and the benches keep in their JSON what they
-# finished (one-gpu its image sizes, peers its systems). One step alone:
+# `all` runs the steps in STEPS in order of what they prove (the CUDA path, then dhp against the one-process
+# loops on the 3B, then the peers), each under its own time limit cut from BUDGET_S (default 570 s from the
+# script's start, setup included) so that a hang in one leaves time for the next; a step stopped at its limit is
+# sent SIGINT (pytest prints its summary, the benches shut down) and the benches keep in their JSON what they
+# finished (one-gpu its workloads, peers its systems). One step alone:
 #
 #                                        bash scripts/gpu_session.sh tests      # pytest -m gpu  (~3-5 min)
-#                                        bash scripts/gpu_session.sh one-gpu    # 3B, dhp vs one process
+#                                        bash scripts/gpu_session.sh one-gpu    # 3B, dhp vs the loops, photos
 #                                        bash scripts/gpu_session.sh peers      # dhp bench peers --ranks 1
 #
 # One Ray for the benches: started once before the first of them (`ray start --head --block` on 127.0.0.1, its
@@ -23,14 +23,15 @@
 # start their own Ray (`address="local"`), without RAY_ADDRESS.
 #
 # Knobs: BUDGET_S (all's seconds from the start, default 570), STEPS (all's steps, default "one_gpu peers"; the
-# tests took ~300 s on an H100, so they are a command of their own: STEPS=tests or `tests`),
-# TESTS_S (the tests' share in all, 240), MODEL (one-gpu's shape, default qwen2_5_vl_3b; `tiny` runs its quick
-# CPU size and the peers' --quick one: how this script is checked without a GPU), SIDES (one-gpu's image sides
-# in px, e.g. 896,1792; default the bench's 448,896,1792), BENCH_STEPS (one-gpu's measured steps per size,
-# default 20), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc; default host), PROFILE
-# (one-gpu: this many profiled steps, after one warm-up, of the one-process loop and of dhp's actors; default 1;
-# 0: none), RAY_CPUS (the Ray's CPUs, default 8: the peers ask for 8), LIMIT_S (one step alone: its limit,
-# default 570; e.g. 220 for the tests as a second command on a warm machine).
+# tests took ~300 s on an H100, so they are a command of their own: STEPS=tests or `tests`), TESTS_S (the tests'
+# share in all, 240), MODEL (one-gpu's shape, default qwen2_5_vl_3b; `tiny` runs its quick CPU size and the
+# peers' --quick one: how this script is checked without a GPU), PHOTOS (one-gpu: train the first N photos of
+# the shard; default all 32, packed), SIDES (one-gpu: square noise images of these sides in px instead of the
+# photos, e.g. 448,896,1792), BENCH_STEPS (one-gpu's measured steps per workload, default the bench's: 8 for the
+# photos, 20 a side), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc; default
+# host), PROFILE (one-gpu: this many profiled steps, after one warm-up, of each one-process loop and of dhp's
+# actors; default 1; 0: none), RAY_CPUS (the Ray's CPUs, default 8: the peers ask for 8), LIMIT_S (one step
+# alone: its limit, default 570; e.g. 220 for the tests as a second command on a warm machine).
 #
 # Each step writes its log and JSON under $OUT (the folder that comes back from the GPU machine, at most 8
 # files; runs/gpu/ elsewhere) together with versions.txt: the GPU, driver, torch/CUDA, transformers, Ray and
@@ -71,9 +72,10 @@ tests()   {  # their own Ray, as in CI
   env -u RAY_ADDRESS -u RAY_AUTH_MODE -u RAY_AUTH_TOKEN_PATH -u RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER \
     python3 -m pytest -m gpu tests/ -q -rs --durations=5 > "$OUT/pytest_gpu.log" 2>&1
 }
-one_gpu() {  # MODEL=tiny: the tiny shape (how this script is checked on a CPU)
+one_gpu() {  # the photos, packed, unless SIDES; MODEL=tiny: the tiny shape (how this script is checked on a CPU)
   local model=(--model "${MODEL:-qwen2_5_vl_3b}")
   [ "${MODEL:-}" = tiny ] && model=(--quick)
+  [ -n "${PHOTOS:-}" ] && model+=(--photos "$PHOTOS")
   [ -n "${SIDES:-}" ] && model+=(--sides "$SIDES")
   [ -n "${BENCH_STEPS:-}" ] && model+=(--steps "$BENCH_STEPS")
   [ -n "${BOUNDARIES:-}" ] && model+=(--boundaries "$BOUNDARIES")
