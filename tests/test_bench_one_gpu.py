@@ -28,6 +28,7 @@ def _args(path, **changes) -> argparse.Namespace:
         boundaries=("host",),
         photos=None,
         shard=None,
+        describe=False,
     )
     return argparse.Namespace(**{**args, **changes})
 
@@ -104,6 +105,21 @@ def test_three_systems_train_the_same_packed_photos(trainers, tmp_path, capsys):
         assert f"| photos | {dhp['patches']} | {system} |" in out
         assert f"profiled photos, {system}" in out
     assert "pipeline.boundary=cuda_ipc failed on photos: ConfigError" in out
+
+
+def test_describe_lists_the_workload_without_training(tmp_path, capsys):
+    """`--describe`: the photos' micro-batches as a run's JSON head lists them, here the quick ones: the first 4
+    photos in packed micro-batches of at most 256 tokens, every sample in one of them."""
+    assert main(_args(tmp_path / "unused.json", describe=True)) == 0
+    (workload,) = json.loads(capsys.readouterr().out)
+    assert not (tmp_path / "unused.json").exists()
+    microbatches = workload["microbatches"]
+    assert workload["name"] == "photos" and workload["samples"] == workload["images"] == 4
+    assert len(microbatches) == 2 and all(0 < m["tokens"] <= 256 for m in microbatches)
+    for total in ("samples", "images", "patches", "tokens"):
+        assert workload[total] == sum(m[total] for m in microbatches)
+    assert workload["padded_tokens"] == workload["tokens"]  # packed: no padding
+    assert "data.microbatch_tokens=256" in workload["settings"]
 
 
 def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():

@@ -640,14 +640,10 @@ def run(
 
     from dhp.models.planning.memory_plan import plan
     from dhp.stages.config import load_config
-    from dhp.stages.trainer import model_config_of
 
     cuda = torch.cuda.is_available()
     steps = steps or (2 if quick else STEPS["sides" if sides else "photos"])
-    base = "qwen2_5_vl_7b" if model else "tiny"  # a GPU preset's precision, checkpointing, pixels and packing budget
-    common = _settings(model, cuda)
-    preset = load_config(base, common)
-    mc = model_config_of(preset)
+    base, common, preset, mc = _preset(model, cuda)
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
     head = {
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
@@ -695,13 +691,40 @@ def run(
     return {**head, "complete": not failed, "rows": rows, **({"failed": failed} if failed else {})}
 
 
+def _preset(model: str | None, cuda: bool) -> tuple[str, list[str], Any, Any]:
+    """(preset, the bench's settings, the config they make, its model config): a released shape runs under the GPU
+    preset (its precision, checkpointing, pixels and packing budget), the tiny one under its own."""
+    from dhp.stages.config import load_config
+    from dhp.stages.trainer import model_config_of
+
+    base = "qwen2_5_vl_7b" if model else "tiny"
+    common = _settings(model, cuda)
+    preset = load_config(base, common)
+    return base, common, preset, model_config_of(preset)
+
+
+def describe(
+    quick: bool,
+    model: str | None = None,
+    sides: list[int] | None = None,
+    microbatches: int = 2,
+    photos: int | None = None,
+    shard: Path | None = None,
+) -> list[dict[str, Any]]:
+    """The workloads `run` would train with these arguments (as its JSON's head lists them), built without
+    training anything: on any machine, for any shape."""
+    _, _, preset, mc = _preset(model, cuda=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        return [_described(w) for w in workloads(quick, preset, mc, sides, microbatches, photos, shard, Path(tmp))]
+
+
 def _described(w: Workload) -> dict[str, Any]:
     """A workload's shape in the JSON's head: its samples, micro-batches, and each micro-batch's sizes."""
     metas = w.metas
     return {
         "name": w.name,
         "side": w.side,
-        "samples": len(w.samples),
+        **{k: v for k, v in trained(metas).items() if k != "microbatches"},  # a step's totals
         "microbatches": [
             {"samples": m.samples, "images": m.images, "patches": m.patches, "tokens": m.tokens} for m in metas
         ],
@@ -762,6 +785,10 @@ def table(result: dict[str, Any]) -> str:
 def main(args: argparse.Namespace, trainers: Callable[[Any], Any] | None = None) -> int:
     """`trainers`: how dhp gets its trainer (`run_dhp`; the tests keep theirs between tests)."""
     sides = [int(s) for s in args.sides.split(",")] if args.sides else None
+    shard = Path(args.shard) if args.shard else None
+    if args.describe:
+        print(json.dumps(describe(args.quick, args.model, sides, args.microbatches, args.photos, shard), indent=1))
+        return 0
 
     def finished_workload(partial: dict[str, Any]) -> None:  # what a time-limited GPU run keeps if cut off
         if args.json:
@@ -779,7 +806,7 @@ def main(args: argparse.Namespace, trainers: Callable[[Any], Any] | None = None)
         args.profile,
         args.boundaries,
         args.photos,
-        Path(args.shard) if args.shard else None,
+        shard,
         trainers,
     )
     if args.json:
@@ -821,6 +848,11 @@ def add_parser(sub: Any) -> None:
         help=f"measured steps after one warm-up (default {STEPS['photos']} for the photos, {STEPS['sides']} a side)",
     )
     p.add_argument("--microbatches", type=int, default=2, help="with --sides: one-image micro-batches a step")
+    p.add_argument(
+        "--describe",
+        action="store_true",
+        help="print the workloads (samples, micro-batches, patches, tokens) as JSON and exit without training",
+    )
     p.add_argument(
         "--profile",
         type=int,
