@@ -2,6 +2,7 @@
 
     dhp bench one-gpu --json runs/bench/one_gpu.json [--quick] [--model qwen2_5_vl_3b] [--photos N] [--shard PATH]
                       [--sides 448,896,1792] [--steps N] [--microbatches 2] [--precision fp32|bf16]
+                      [--profile STEPS] [--boundaries host,cuda_ipc] [--describe]
 
 The workload, by default: real photos with their captions, packed. Each photo of an img2dataset WebDataset shard
 (`--shard`, default the repository's tests/assets/cc12m-train-0000.tar: 32 CC12M photos) at its original size
