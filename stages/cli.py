@@ -20,7 +20,7 @@
     dhp bench time-model [--json PATH] [--profile P] [--quick]  (the plan's step time against measured steps)
     dhp bench peers [--json PATH] [--quick] [--ranks N]       (vs DeepSpeed ZeRO-3 and uniform TP: speed, longest image)
     dhp bench fine-tuning [--json PATH] [--quick]             (frozen ViT, merger only, frozen LLM vs full: time, bytes)
-    dhp bench one-gpu [--json PATH] [--quick] [--model M]     (dhp on one device vs a one-process transformers loop)
+    dhp bench one-gpu [--json PATH] [--quick] [--model M]     (dhp on one device vs stock and same-kernel loops)
     dhp bench boundary [--json PATH] [--quick]                (moving embeddings + gradients: tensor vs wire format)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
