@@ -236,6 +236,17 @@ def small_parity_setup(tmp_path_factory):
     return preprocessed_parity_setup(tmp_path_factory, data, max_pixels=224 * 224)
 
 
+@pytest.fixture(scope="session")
+def plan_sample(tmp_path_factory) -> dict:
+    """One preprocessed one-image sample of 2 048 patches (`dhp bench time-model`'s): one more step of it on the
+    parity tests' trainers holds the memory plan to what their ranks keep (tests/test_plan_measured.py)."""
+    from dhp.scripts.bench.time_model import IMAGE, deep_sample
+
+    _, _, sample = deep_sample(tmp_path_factory.mktemp("plan_sample"), save=False)
+    assert int(sample["image_grid_thw"].prod()) == IMAGE[0] * IMAGE[1] // 14**2
+    return sample
+
+
 class S3Endpoint:
     """A running S3 HTTP endpoint and the fake credentials the test process holds for it."""
 

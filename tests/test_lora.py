@@ -62,7 +62,7 @@ def peft_reference(ref, trainer):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_lora_matches_peft(small_parity_setup, ray_session, tmp_path, case):
+def test_lora_matches_peft(small_parity_setup, trainers, tmp_path, case):
     from peft import PeftModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -83,7 +83,9 @@ def test_lora_matches_peft(small_parity_setup, ray_session, tmp_path, case):
         )
         base_grads["text"] = stats
 
-    params = check_parity(small_parity_setup, tmp_path, layout + LORA, replicas, probe, reference=peft_reference)
+    params = check_parity(
+        small_parity_setup, tmp_path, layout + LORA, replicas, probe, reference=peft_reference, trainers=trainers
+    )
     assert all(n == 0 and has_opt for n, has_opt in base_grads["text"])  # base frozen, factors stepped
     initial = small_parity_setup[0].state_dict()
     for name, t in params.items():
@@ -188,13 +190,12 @@ def test_lora_checkpoint_holds_only_what_trains_and_resumes(parity_setup, ray_se
     assert (tmp_path / "hf" / "adapter" / "adapter_config.json").is_file()
 
 
-def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, ray_session):
+def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, trainers):
     """With dropout on, TP 2 computes one rank's gradients: the same masks (a column-parallel layer's replicated
     input alike on both ranks, a row-parallel layer's split input the parts of the whole-width mask). Gradients
     are compared, not trained parameters: Adam's first steps are nearly sign(gradient), blind to the masks. Two
     steps first move B off zero, so that A's gradients (and the loss) see the masks too."""
     from dhp.dataflow.loader import GlobalBatch
-    from dhp.stages.trainer import Trainer
     from tests.conftest import rel_err
     from tests.test_parity import _microbatch
 
@@ -220,15 +221,12 @@ def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, ray_sessio
     ):
         cfg = load_config("tiny", common + extra)
         batches = [GlobalBatch([_microbatch(samples[:2], cfg), _microbatch(samples[2:], cfg)], epoch=0)]
-        trainer = Trainer(cfg)
-        try:
+        with trainers.use(cfg) as trainer:
             for _ in range(2):  # the first step's LR is 0 (warm-up from 0)
                 trainer.train_step(batches)
             loss = trainer.accumulate(batches)
             ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())  # what optimizer_step does first
             runs[name] = loss, {n: t for n, t in collect(trainer, grads=True).items() if ".lora_" in n}
-        finally:
-            trainer.shutdown()
     (one_loss, one), (tp_loss, tp), (_, plain) = runs["one rank"], runs["tp2"], runs["no dropout"]
     assert tp_loss == pytest.approx(one_loss, rel=1e-6)
     assert len(one) == 2 * 7 * 2 and tp.keys() == one.keys()

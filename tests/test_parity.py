@@ -9,8 +9,13 @@ per-rank checkpoint exports to a Hugging Face directory that computes what the d
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import hashlib
 import json
+from collections import OrderedDict
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -24,7 +29,7 @@ from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import build_optimizer
-from dhp.stages.trainer import Trainer
+from dhp.stages.trainer import Trainer, pool_shape
 from tests.conftest import rel_err
 
 STEPS = 3
@@ -65,7 +70,7 @@ def _microbatch(chosen: list[dict], cfg) -> MicroBatch:
 
 
 # (overrides, each replica's micro-batches as sample indices): every layout dhp must train exactly like the
-# reference; tests/test_plan_measured.py holds the memory plan to what these same layouts keep.
+# reference; their parity tests also hold the memory plan to what the ranks keep (tests/test_plan_measured.py).
 LAYOUTS = [
     # one vision + one text actor; three micro-batches, one of them text-only (an empty vision call)
     ([], [[[0], [1], [2]]]),
@@ -146,9 +151,35 @@ LAYOUT_IDS = [
 ]
 
 
-@pytest.mark.parametrize(("layout", "replicas"), LAYOUTS + FAN_LAYOUTS, ids=LAYOUT_IDS + FAN_IDS)
-def test_steps_match_transformers(parity_setup, ray_session, tmp_path, layout, replicas):
-    check_parity(parity_setup, tmp_path, layout, replicas)
+# What `check_parity` reserves per actor: part of the pools' shape (`pool_shape`), as the layout is.
+RESOURCES = ["vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
+
+
+def by_pool_shape(cases: list) -> list:
+    """`cases` (`pytest.param`s, a layout's overrides first) grouped by the shape of their pools, in the order given:
+    the layouts built on the same actors run one after another, each taking over the previous one's actors
+    (`TrainerCache`, tests/conftest.py) instead of starting new ones."""
+    groups: dict[tuple, list] = {}
+    for case in cases:
+        groups.setdefault(pool_shape(load_config("tiny", BASE + RESOURCES + case.values[0])), []).append(case)
+    return [case for group in groups.values() for case in group]
+
+
+# The fan layouts are left out of the plan's check: one sample per text replica leaves some vision replicas idle.
+PARITY_CASES = by_pool_shape(
+    [pytest.param(*case, True, id=name) for case, name in zip(LAYOUTS, LAYOUT_IDS)]
+    + [pytest.param(*case, False, id=name) for case, name in zip(FAN_LAYOUTS, FAN_IDS)]
+)
+
+
+@pytest.mark.parametrize(("layout", "replicas", "planned"), PARITY_CASES)
+def test_steps_match_transformers(parity_setup, plan_sample, trainers, tmp_path, layout, replicas, planned):
+    """Parity, then (`planned`) the memory plan against what the ranks keep for one more step, of one 2 048-patch
+    image (tests/test_plan_measured.py)."""
+    from tests.test_plan_measured import plan_probe  # which imports this module
+
+    probe = plan_probe(plan_sample, len(replicas)) if planned else None
+    check_parity(parity_setup, tmp_path, layout, replicas, probe, trainers=trainers)
 
 
 def hf_name(name: str) -> str:
@@ -158,14 +189,18 @@ def hf_name(name: str) -> str:
 
 
 def check_parity(
-    parity_setup, tmp_path, layout: list[str], replicas: list, probe=None, reference=None
+    parity_setup, tmp_path, layout: list[str], replicas: list, probe=None, reference=None, trainers=None
 ) -> dict[str, torch.Tensor]:
     """Train `STEPS` steps of `replicas`' micro-batches under `layout` (overrides after the common ones) and
     the reference in one process: losses, gradients, norms, per-module LRs and parameters must agree, and the
-    export must load in transformers. The reference freezes and groups what `layout` freezes and groups
-    (models/fine_tuning.py); dhp must hold no gradient of a frozen parameter. `reference(ref, trainer)`, if
-    given, returns the reference to train instead (e.g. peft's LoRA model with dhp's initial factors).
-    `probe(trainer)` runs before the trainer shuts down. Returns dhp's trained parameters (HF names)."""
+    export must load in transformers. dhp's trainer comes from `trainers` if given (a new one, or one that ran
+    another layout on pools of the same shape), else it is a new one. The reference freezes and groups what
+    `layout` freezes and groups (models/fine_tuning.py); dhp must hold no gradient of a frozen parameter. The
+    reference trains once for all layouts that share its inputs, weights and optimizer (`reference_trajectory`).
+    `reference(ref, trainer)`, if given, returns the reference to train instead (e.g. peft's LoRA model with
+    dhp's initial factors).
+    `probe(trainer)` runs last, before the trainer is given back (it may train on). Returns dhp's trained
+    parameters (HF names)."""
     ref, ckpt, samples = parity_setup
     ref = copy.deepcopy(ref)
     longest = max(s["input_ids"].shape[0] for s in samples)
@@ -184,9 +219,8 @@ def check_parity(
             "training.adam_eps=1e-6",
             "training.weight_decay=0.1",
             "training.max_grad_norm=1.0",
-            "vision.num_cpus_per_actor=0.5",
-            "text.num_cpus_per_actor=0.5",
         ]
+        + RESOURCES
         + layout,
     )
     batches = [
@@ -206,12 +240,10 @@ def check_parity(
         image_grid_thw=full_v["image_grid_thw"],
         mm_token_type_ids=(full_t["input_ids"] == 151655).int(),
     )
-    trainer = Trainer(cfg)
-    try:
+    with trainers.use(cfg) if trainers is not None else new_trainer(cfg) as trainer:
         if reference is not None:
             ref = reference(ref, trainer)
-        FineTuning(cfg).freeze(ref)
-        optimizer, scheduler = build_optimizer(ref, cfg)
+        expected = reference_trajectory(ref, ref_inputs, cfg)
         for pool, stage in ((trainer.vision, cfg.vision), (trainer.text, cfg.text)):  # checkpointing is on where asked
             recomputing = ray.get(
                 pool.actors[-1].__ray_call__.remote(lambda w: sum(b.gradient_checkpointing for b in w.model.blocks()))
@@ -222,32 +254,24 @@ def check_parity(
             ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())  # what optimizer_step does first
             grads = collect(trainer, grads=True)
 
-            ref_loss = ref(**ref_inputs).loss
-            ref_loss.backward()
-            assert abs(loss - ref_loss.item()) / ref_loss.item() <= 1e-6, (step, loss, ref_loss.item())
-            ref_params = {hf_name(n): p for n, p in ref.named_parameters() if p.requires_grad}
-            assert set(grads) == set(ref_params)
-            errors = {n: rel_err(grads[n], p.grad) for n, p in ref_params.items()}
+            ref_loss, ref_grads = expected.losses[step], expected.grads[step]
+            assert abs(loss - ref_loss) / ref_loss <= 1e-6, (step, loss, ref_loss)
+            assert set(grads) == set(ref_grads)
+            errors = {n: rel_err(grads[n], g) for n, g in ref_grads.items()}
             worst = max(errors, key=errors.get)
             assert errors[worst] <= 1e-5, f"step {step}: gradient of {worst} off by {errors[worst]:.2e}"
 
-            ref_lrs = group_lrs(optimizer)
             grad_norm, lrs = trainer.optimizer_step()
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.training.max_grad_norm)
-            assert abs(grad_norm - ref_norm.item()) / ref_norm.item() <= 1e-5
-            assert lrs == ref_lrs
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            ref_norm = expected.norms[step]
+            assert abs(grad_norm - ref_norm) / ref_norm <= 1e-5, (step, grad_norm, ref_norm)
+            assert lrs == expected.lrs[step]
         assert grad_norm > cfg.training.max_grad_norm or step == 0  # clipping was exercised at least once
 
         params = collect(trainer)
-        for name, p in ref.named_parameters():
+        for name, p in expected.params.items():
             # Absolute: Adam turns fp-rounding noise in near-zero gradients into updates of up to ~1e-2 x lr.
-            diff = (params[hf_name(name)] - p.detach()).abs().max().item()
+            diff = (params[name] - p).abs().max().item()
             assert diff <= 1e-5, f"{name} differs by {diff:.2e} after {STEPS} steps"
-        if probe is not None:
-            probe(trainer)
 
         # The exported checkpoint is a Hugging Face directory that transformers loads as is.
         out = tmp_path / "export"
@@ -261,9 +285,97 @@ def check_parity(
             else:  # folded in by the export: the same sum, maybe in another order
                 assert torch.allclose(p.detach(), merged[name], rtol=0, atol=1e-6), name
         assert loaded.lm_head.weight.shape[0] == trainer.model_config.text_config.vocab_size
+        if probe is not None:
+            probe(trainer)
+    return params
+
+
+@contextlib.contextmanager
+def new_trainer(cfg) -> Iterator[Trainer]:
+    """A new trainer of `cfg`, shut down when the block ends (for callers without `trainers`)."""
+    trainer = Trainer(cfg)
+    try:
+        yield trainer
     finally:
         trainer.shutdown()
-    return params
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """The reference's `STEPS` steps: per step the loss, every trainable parameter's gradient, each module's LR
+    and the global gradient norm before clipping; then every parameter. HF names (`hf_name`)."""
+
+    losses: list[float]
+    grads: list[dict[str, torch.Tensor]]
+    lrs: list[dict[str, float]]
+    norms: list[float]
+    params: dict[str, torch.Tensor]
+
+
+# The reference's training depends on the batch, the initial weights, what trains and the optimizer, never on
+# the layout: the layouts of one fine-tuning choice compare against one trajectory, trained once per test run.
+# Each holds four copies of the model's trainable tensors (~300 MB with the 151 k vocabulary), so only the
+# newest few are kept; the tests that share one run next to each other.
+TRAJECTORIES: OrderedDict[str, Trajectory] = OrderedDict()
+KEPT_TRAJECTORIES = 2
+
+
+def reference_trajectory(ref: torch.nn.Module, inputs: dict[str, torch.Tensor], cfg) -> Trajectory:
+    """`ref` (a copy this takes over) trained `STEPS` steps on `inputs` with `cfg`'s fine-tuning choice and
+    optimizer, or the same training's trajectory from an earlier call."""
+    FineTuning(cfg).freeze(ref)
+    optimizer, scheduler = build_optimizer(ref, cfg)
+    key = trajectory_key(ref, optimizer, inputs, cfg)
+    if key not in TRAJECTORIES:
+        TRAJECTORIES[key] = train_reference(ref, optimizer, scheduler, inputs, cfg.training.max_grad_norm)
+    TRAJECTORIES.move_to_end(key)
+    while len(TRAJECTORIES) > KEPT_TRAJECTORIES:
+        TRAJECTORIES.popitem(last=False)
+    return TRAJECTORIES[key]
+
+
+def trajectory_key(ref: torch.nn.Module, optimizer, inputs: dict[str, torch.Tensor], cfg) -> str:
+    """A digest of all the reference's training reads: the inputs; every parameter's name, value and
+    `requires_grad`; the optimizer's groups (settings and members); the fine-tuning choices (LoRA's scale and
+    dropout live in peft's modules, not in parameters); the training settings (schedule, clipping)."""
+    digest = hashlib.blake2b()
+
+    def add(t: torch.Tensor) -> None:
+        t = t.detach().contiguous()
+        digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+
+    for name, t in sorted(inputs.items()):
+        digest.update(name.encode())
+        add(t)
+    names = {}
+    for name, p in ref.named_parameters():
+        names[id(p)] = name
+        digest.update(f"{name} {p.requires_grad}".encode())
+        add(p)
+    groups = [
+        {k: [names[id(p)] for p in v] if k == "params" else v for k, v in g.items()} for g in optimizer.param_groups
+    ]
+    fine_tuning = FineTuning(cfg)
+    digest.update(repr((groups, fine_tuning.groups, fine_tuning.lora, cfg.training, STEPS)).encode())
+    return digest.hexdigest()
+
+
+def train_reference(ref: torch.nn.Module, optimizer, scheduler, inputs: dict, max_grad_norm: float) -> Trajectory:
+    """`STEPS` steps of `ref` on the whole batch in one process: what dhp's step does, in one forward."""
+    run = Trajectory([], [], [], [], {})
+    for _ in range(STEPS):
+        loss = ref(**inputs).loss
+        loss.backward()
+        run.losses.append(loss.item())
+        run.grads.append({hf_name(n): p.grad.clone() for n, p in ref.named_parameters() if p.requires_grad})
+        run.lrs.append(group_lrs(optimizer))
+        run.norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    run.params = {hf_name(n): p.detach().clone() for n, p in ref.named_parameters()}
+    return run
 
 
 def merged_lora(params: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
@@ -278,7 +390,43 @@ def merged_lora(params: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]
     return out
 
 
-def test_pipelined_order_trains_like_serial(parity_setup, ray_session):
+def test_layouts_share_one_reference_trajectory_and_nothing_else_does():
+    """`trajectory_key` is the same for every layout, and changes with anything the reference trains on or with:
+    what trains, LRs, weight decay, clipping, the schedule, LoRA's scale, the initial weights, the batch."""
+    config = architecture_config("tiny")
+    config.text_config.vocab_size = 512  # the key reads every parameter: a small vocabulary keeps this quick
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    inputs = {"input_ids": torch.arange(6)[None], "labels": torch.arange(6)[None]}
+
+    def key(overrides: list[str], model: torch.nn.Module = model, inputs: dict = inputs) -> str:
+        cfg = load_config("tiny", overrides)
+        ref = copy.deepcopy(model)
+        FineTuning(cfg).freeze(ref)
+        return trajectory_key(ref, build_optimizer(ref, cfg)[0], inputs, cfg)
+
+    base = key(BASE)
+    assert key(SP2 + TP2 + AC_FULL) == key(["vision.parallelism=zero3", "vision.num_actors=2"]) == base
+    changes = [
+        ["vision.train=none"],
+        ["vision.train=merger"],
+        ["text.train=none"],
+        ["text.train=lora"],
+        ["text.train=lora", "text.lora.alpha=8"],
+        ["vision.merger_lr_scale=2.0"],
+        ["vision.weight_decay=0.2"],
+        ["training.max_grad_norm=0.05"],
+        ["training.warmup_steps=2"],
+    ]
+    keys = [base] + [key(BASE + change) for change in changes]
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        perturbed.lm_head.weight[0, 0] += 1e-3
+    keys += [key(BASE, model=perturbed), key(BASE, inputs=inputs | {"labels": torch.arange(1, 7)[None]})]
+    assert len(set(keys)) == len(keys)
+
+
+def test_pipelined_order_trains_like_serial(parity_setup, trainers):
     """max_in_flight 1 (serial), 2 and 4 on sp2 / tp2 with three accumulated micro-batches: same parameters."""
     _, ckpt, samples = parity_setup
     results = {}
@@ -287,25 +435,21 @@ def test_pipelined_order_trains_like_serial(parity_setup, ray_session):
             "tiny",
             SP2
             + TP2
+            + RESOURCES
             + [
                 f"model.path={ckpt}",
                 "data.microbatch_tokens=1024",
                 f"training.steps={STEPS}",
                 "training.warmup_steps=1",
                 f"pipeline.max_in_flight={k}",
-                "vision.num_cpus_per_actor=0.5",
-                "text.num_cpus_per_actor=0.5",
             ],
         )
         batches = [GlobalBatch([_microbatch([s], cfg) for s in samples], epoch=0)]
-        trainer = Trainer(cfg)
-        try:
+        with trainers.use(cfg) as trainer:
             losses = []
             for _ in range(STEPS):
                 losses.append(trainer.train_step(batches)["loss"])
             results[k] = (losses, collect(trainer))
-        finally:
-            trainer.shutdown()
     serial_losses, serial = results[1]
     for k in (2, 4):
         losses, params = results[k]
@@ -317,23 +461,22 @@ def test_pipelined_order_trains_like_serial(parity_setup, ray_session):
 
 
 @pytest.mark.parametrize("layout", [SP2 + TP2], ids=["sp2-tp2"])
-def test_export_hf_matches_dhp_model(parity_setup, ray_session, tmp_path, layout):
+def test_export_hf_matches_dhp_model(parity_setup, trainers, tmp_path, layout):
     """Per-rank dhp checkpoint -> `dhp export-hf` -> transformers: same tensors, same loss on a test batch."""
     from dhp.models.qwen2_5_vl import count_label_tokens
     from dhp.stages.cli import main
 
     _, ckpt, samples = parity_setup
-    cfg = load_config("tiny", layout + [f"model.path={ckpt}", "training.steps=2", "training.warmup_steps=0"])
-    trainer = Trainer(cfg)
-    try:
+    cfg = load_config(
+        "tiny", layout + RESOURCES + [f"model.path={ckpt}", "training.steps=2", "training.warmup_steps=0"]
+    )
+    with trainers.use(cfg) as trainer:
         batches = [GlobalBatch([_microbatch(samples[:2], cfg)], epoch=0)]
         trainer.train_step(batches)  # move the weights away from the checkpoint they were loaded from
         dhp_ckpt = trainer.save_checkpoint(tmp_path / "checkpoints", batches)
         mb = batches[0].microbatches[0]
         dhp_loss = ray.get(trainer.text.forward_eval(0, mb.text, trainer.vision.forward_eval(0, mb.vision)))
         params = collect(trainer)
-    finally:
-        trainer.shutdown()
     rank_files = sorted(p.name for p in dhp_ckpt.glob("*-rank*.safetensors"))
     assert rank_files == sorted(
         f"{s}-rank{r:05d}{kind}.safetensors" for s in ("text", "vision") for r in range(2) for kind in ("", "-moments")

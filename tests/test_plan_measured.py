@@ -1,14 +1,18 @@
 """The memory plan against what the actors really hold, for every layout of the parity test.
 
-A tiny-but-deep Qwen2.5-VL (16 ViT blocks, 4 of them full attention; 12 decoder layers; the tiny widths and
-the real vocabulary), one 2 048-patch image per micro-batch. For each layout of tests/test_parity.py, one
-training step: every rank records the bytes its training forward keeps for backward (saved-tensor hooks,
-`StageWorker.measure_activations`: the whole encoder call; the decoder from embedding output to final norm)
-and reports its parameter, gradient and AdamW bytes (`state_bytes`). The plan's formulas, evaluated for that
-rank at that micro-batch's size (`memory_plan.kept_activations`, `model_state_bytes`),
-must be within 10 % of each (AdamW: the plan's largest ZeRO-1 share against the largest rank's); a change to
-the model or the code that the plan does not follow fails here. The fine-tuning cases hold it to what trains:
-zero where nothing does.
+Each layout of tests/test_parity.py (`LAYOUTS`) is checked on its parity test's trainer, after the parity steps
+(`plan_probe`): the tiny Qwen2.5-VL (4 ViT blocks, 2 of them full attention; 2 decoder layers; the real
+vocabulary) trains one more step, of one 2 048-patch image per text replica (the `plan_sample` fixture). Every
+rank records the bytes its training forward keeps for backward (saved-tensor hooks,
+`StageWorker.measure_activations`: the whole encoder call; the decoder from embedding output to final norm) and
+reports its parameter, gradient and AdamW bytes (`state_bytes`). The plan's formulas, evaluated for that rank at
+that micro-batch's size (`memory_plan.kept_activations`, `model_state_bytes`), must be within 10 % of each
+(AdamW: the plan's largest ZeRO-1 share against the largest rank's); a change to the model or the code that the
+plan does not follow fails there.
+
+The fine-tuning cases here hold it to what trains, zero where nothing does, on a tiny-but-deep Qwen2.5-VL (16 ViT
+blocks, 4 of them full attention; 12 decoder layers) and the same image; the frozen ViT under SP 2 / TP 2 is
+checked on tests/test_fine_tuning.py's trainer of that case (`PLANNED` there).
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ from dhp.models.parallel.layouts import stage_layout
 from dhp.models.planning.memory_plan import kept_activations, model_state_bytes, stage_shapes
 from dhp.models.precision import precision_of
 from dhp.stages.config import load_config
-from dhp.stages.trainer import Trainer
-from tests.test_parity import BASE, LAYOUT_IDS, LAYOUTS, SP2, TP2, _microbatch
+from tests.test_parity import BASE, SP2, TP2, _microbatch
 
 TOLERANCE = 0.10
 
@@ -47,17 +50,17 @@ def _planned(cfg, model_config, stage: str, record: dict, rank: int) -> tuple[in
     return round(act), states
 
 
-@pytest.mark.parametrize(("layout", "replicas"), LAYOUTS, ids=LAYOUT_IDS)
-def test_plan_matches_what_the_actors_hold(deep_setup, ray_session, layout, replicas):
-    check_plan(deep_setup, layout, replicas)
+def plan_probe(sample: dict, replicas: int):
+    """A `check_parity` probe: `check_plan` on the parity test's trainer."""
+    return lambda trainer: check_plan(trainer, sample, replicas)
 
 
 # What trains changes what is kept: a frozen ViT keeps nothing, a merger-only one only the merger's inputs, a
 # frozen or LoRA decoder only what the embedding gradient (and the factors') needs; no grads or AdamW where
-# nothing trains (models/fine_tuning.py).
+# nothing trains (models/fine_tuning.py). A frozen ViT with a training decoder under SP 2 / TP 2:
+# tests/test_fine_tuning.py.
 FINE_TUNING = {
     "sp2-tp2-merger-lora": (SP2 + TP2 + ["vision.train=merger", "text.train=lora"], [[[0, 1], [2]]]),
-    "sp2-tp2-none-all": (SP2 + TP2 + ["vision.train=none"], [[[0, 1], [2]]]),
     "tp2-lora-dropout": (
         TP2 + ["text.train=lora", "text.lora.dropout=0.1", "text.lora.targets=q_proj,o_proj,down_proj"],
         [[[0], [1, 2]]],
@@ -70,12 +73,9 @@ FINE_TUNING = {
 
 
 @pytest.mark.parametrize("case", list(FINE_TUNING))
-def test_plan_follows_fine_tuning(deep_setup, ray_session, case):
-    check_plan(deep_setup, *FINE_TUNING[case])
-
-
-def check_plan(deep_setup, layout: list[str], replicas: list) -> None:
-    model_config, ckpt, sample = deep_setup
+def test_plan_follows_fine_tuning(deep_setup, trainers, case):
+    _, ckpt, sample = deep_setup
+    layout, replicas = FINE_TUNING[case]
     cfg = load_config(
         "tiny",
         BASE
@@ -87,18 +87,22 @@ def check_plan(deep_setup, layout: list[str], replicas: list) -> None:
             "text.num_cpus_per_actor=0.5",
         ],
     )
-    trainer = Trainer(cfg)
-    try:
-        for _, pool in trainer.pools():
-            pool.execute_all("measure_activations", True)
-        trainer.accumulate([GlobalBatch([_microbatch([sample], cfg)], epoch=0) for _ in replicas])
-        ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
-        before = {s: pool.execute_all("state_bytes") for s, pool in trainer.pools()}
-        trainer.optimizer_step()
-        after = {s: pool.execute_all("state_bytes") for s, pool in trainer.pools()}
-        measured = {s: pool.execute_all("measure_activations", False) for s, pool in trainer.pools()}
-    finally:
-        trainer.shutdown()
+    with trainers.use(cfg) as trainer:
+        check_plan(trainer, sample, len(replicas))
+
+
+def check_plan(trainer, sample: dict, replicas: int) -> None:
+    """One step of `sample` on each of the trainer's `replicas` text replicas: what every rank keeps and holds
+    against the plan for that rank."""
+    cfg, model_config = trainer.cfg, trainer.model_config
+    for _, pool in trainer.pools():
+        pool.execute_all("measure_activations", True)
+    trainer.accumulate([GlobalBatch([_microbatch([sample], cfg)], epoch=0) for _ in range(replicas)])
+    ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
+    before = {s: pool.execute_all("state_bytes") for s, pool in trainer.pools()}
+    trainer.optimizer_step()
+    after = {s: pool.execute_all("state_bytes") for s, pool in trainer.pools()}
+    measured = {s: pool.execute_all("measure_activations", False) for s, pool in trainer.pools()}
     report = []
     for stage in ("vision", "text"):
         for rank, records in enumerate(measured[stage]):
@@ -119,4 +123,4 @@ def check_plan(deep_setup, layout: list[str], replicas: list) -> None:
         )
     )
     bad = [row for row in report if abs(row[4] - row[3]) > TOLERANCE * row[3]]
-    assert not bad, bad
+    assert not bad, f"the memory plan is off by more than {TOLERANCE:.0%}: {bad}"

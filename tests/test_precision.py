@@ -16,7 +16,6 @@ from dhp.models.precision import PRECISIONS, precision_of
 from dhp.stages.boundary import from_wire
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import _buckets
-from dhp.stages.trainer import Trainer
 from tests.test_parity import BASE, _microbatch
 
 
@@ -48,7 +47,7 @@ def bf16_checkpoint(parity_setup, tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_checkpoint, ray_session, precision):
+def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_checkpoint, trainers, precision):
     """Every parameter and every AdamW moment of every rank is in `model.precision`'s dtype, whatever the
     checkpoint holds; each pool's two data-parallel replicas keep the moments of only their share of the
     parameters (ZeRO-1, the text pool included), together all of them."""
@@ -67,8 +66,7 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
         ],
     )
     want = str(precision_of(precision).param_dtype)
-    trainer = Trainer(cfg)
-    try:
+    with trainers.use(cfg) as trainer:
         batches = [GlobalBatch([_microbatch([samples[i]], cfg)], epoch=0) for i in (0, 1)]
         trainer.accumulate(batches)
         trainer.optimizer_step()
@@ -89,8 +87,6 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
         (grad,) = map(from_wire, ray.get(grads))
         assert str(grad.dtype) == want and grad.shape == shard.shape and grad.abs().sum() > 0
         ray.get(trainer.vision.backward(0, 99, grads))
-    finally:
-        trainer.shutdown()
 
 
 # Pure bf16 drifts from fp32 by rounding, not by a bug: bf16 keeps 8 significant bits (relative step 2^-8 =
