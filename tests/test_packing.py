@@ -347,6 +347,6 @@ PACKED_LAYOUTS = [
 
 
 @pytest.mark.parametrize(("layout", "replicas"), PACKED_LAYOUTS, ids=["1v1t", "sp2-tp2", "tp2-tp2", "zero3-zero3"])
-def test_packed_steps_match_transformers(parity_setup, ray_session, tmp_path, monkeypatch, layout, replicas):
+def test_packed_steps_match_transformers(parity_setup, trainers, tmp_path, monkeypatch, layout, replicas):
     monkeypatch.setattr(parity, "_microbatch", _packed_microbatch)
-    parity.check_parity(parity_setup, tmp_path, layout + ["data.packing=true"], replicas)
+    parity.check_parity(parity_setup, tmp_path, layout + ["data.packing=true"], replicas, trainers=trainers)
