@@ -1,10 +1,13 @@
 """Cluster faults mid-run: a killed actor, a killed node, a hung rank, preemption, failed checkpoint writes.
 
 `dhp train` runs as a user runs it (a subprocess with its own local Ray, or joined to a 3-node loopback
-cluster for the node kill). The faults and the reference run come from `dhp bench recovery --quick`, run once
-for the module (its runs are kept under a temp dir and read back here); each test checks one fault kind:
-detected, reported, recovered, and every step's loss and every epoch's set of samples equal to an
-uninterrupted run's. Cost: about 6 minutes on 2 cores.
+cluster for the node kill). The faults and the reference run come from `dhp bench recovery --quick --jobs 2`,
+run once for the module (its runs are kept under a temp dir and read back here, two at a time so that one's
+waits overlap the other's work); each test checks one fault kind: detected, reported, recovered, and every
+step's loss and every epoch's set of samples equal to an uninterrupted run's. The tests after them (a rank
+dying mid-save, the stop policy of a failed save, restarts used up) share three more runs, also two at a time;
+of these only the one that resumes evaluates held-out data (the evaluation after a rebuild); none of the
+bench's `--quick` runs does.
 """
 
 from __future__ import annotations
@@ -13,11 +16,22 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from dhp.scripts.bench.recovery import HANG_TIMEOUT_S, KINDS, epochs_exact, start_run
+from dhp.scripts.bench.recovery import (
+    HANG_TIMEOUT_S,
+    KINDS,
+    Run,
+    epochs_exact,
+    job_order,
+    kill_vision_actor_after_step,
+    run_jobs,
+    start_run,
+)
 from dhp.stages.checkpoint_files import verify
 
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
@@ -36,6 +50,8 @@ def recovery(tmp_path_factory) -> dict[str, dict]:
             "bench",
             "recovery",
             "--quick",
+            "--jobs",
+            "2",
             "--keep",
             str(out),
             "--json",
@@ -145,8 +161,52 @@ def test_failed_checkpoint_write_keeps_the_previous_and_continues(recovery):
     assert row["restarts"] == []
 
 
-def test_rank_dying_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
-    run = start_run(tmp_path, "die", 6, 2, env={"DHP_INJECT_FAULT": "die@vision:1:4"})
+def _die(out: Path) -> Run:
+    # With the held-out evaluation: the only run here whose rebuilt pools and loaders then evaluate
+    return start_run(out, "die", 6, 2, env={"DHP_INJECT_FAULT": "die@vision:1:4"})
+
+
+def _stop(out: Path) -> Run:
+    env = {"DHP_INJECT_FAULT": "eacces@text:1:2"}
+    return start_run(out, "stop", 6, 2, "training.on_checkpoint_error=stop", env=env, evaluate=False)
+
+
+def _fatal(out: Path) -> Run:
+    run = start_run(out, "fatal", STEPS, EVERY, "training.max_restarts=0", evaluate=False)
+    kill_vision_actor_after_step(run, 1)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run | Exception]:
+    """The runs of the tests below, finished, two at a time (one's waits overlap the other's work), the longest
+    first; a run that could not be made is its error, raised by its own test."""
+    out = tmp_path_factory.mktemp("runs")
+
+    def finished(start) -> Run | Exception:
+        try:
+            run = start(out)
+            run.finish()
+            return run
+        except Exception as e:
+            return e
+
+    yield run_jobs({f.__name__[1:]: lambda f=f: finished(f) for f in (_die, _stop, _fatal)}, 2, on_main=set())
+    for run in Run.started:  # one whose fault could not be made
+        if run.proc.poll() is None:
+            run.proc.kill()
+    for tensors in out.glob("runs/*/**/*.safetensors"):  # ~0.75 GB a run
+        tensors.unlink()
+
+
+def _run(runs: dict[str, Run | Exception], name: str) -> Run:
+    if isinstance(runs[name], Exception):
+        raise runs[name]
+    return runs[name]
+
+
+def test_rank_dying_mid_save_resumes_from_the_previous_checkpoint(runs):
+    run = _run(runs, "die")
     assert run.finish() == 0, run.output()[-3000:]
     out = run.output()
     assert re.search(
@@ -157,14 +217,14 @@ def test_rank_dying_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     ), out[-3000:]
     assert "resumed from" in out and "step_000002 (step 2)" in out
     assert [r["step"] for r in run.records()] == list(range(1, 7))
-    assert epochs_exact(run.dir, tmp_path / "synth" / "train.jsonl", 6, 4)  # epoch 0 (steps 1-4) exactly once
+    train = run.dir.parent.parent / "synth" / "train.jsonl"
+    assert epochs_exact(run.dir, train, 6, 4)  # epoch 0 (steps 1-4) exactly once
     assert verify(run.dir / "checkpoints" / "step_000004") is None  # written again after the resume
+    assert json.loads((run.dir / "summary.json").read_text())["eval_loss"] is not None
 
 
-def test_failed_checkpoint_write_stops_when_asked(tmp_path):
-    run = start_run(
-        tmp_path, "stop", 6, 2, "training.on_checkpoint_error=stop", env={"DHP_INJECT_FAULT": "eacces@text:1:2"}
-    )
+def test_failed_checkpoint_write_stops_when_asked(runs):
+    run = _run(runs, "stop")
     assert run.finish() == 1
     out = run.output()
     assert re.search(
@@ -177,12 +237,42 @@ def test_failed_checkpoint_write_stops_when_asked(tmp_path):
     assert [r["step"] for r in run.records()] == [1, 2]
 
 
-def test_restarts_used_up_exits_nonzero_with_one_line(tmp_path):
-    from dhp.scripts.bench.recovery import kill_vision_actor_after_step
-
-    run = start_run(tmp_path, "fatal", STEPS, EVERY, "training.max_restarts=0")
-    kill_vision_actor_after_step(run, 1)
+def test_restarts_used_up_exits_nonzero_with_one_line(runs):
+    run = _run(runs, "fatal")
     assert run.finish() == 1
     last = run.output().strip().splitlines()[-1]
     assert last.startswith("dhp: error: a stage actor died and training.max_restarts=0"), run.output()[-2000:]
     assert "Traceback" not in run.output()
+
+
+def test_jobs_run_each_once_at_most_n_at_a_time_and_the_node_kind_on_the_main_thread():
+    """`--jobs`: how `dhp bench recovery` schedules its runs (LocalCluster must start on the main thread)."""
+    running, peak, where, lock = [0], [0], {}, threading.Lock()
+
+    def job(name: str):
+        def run() -> str:
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            where[name] = threading.current_thread() is threading.main_thread()
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+            return name
+
+        return run
+
+    order = job_order(list(KINDS), 2)
+    assert order[0] == "node" and sorted(order) == sorted([*KINDS, "reference"])
+    assert job_order(["save", "actor"], 1) == ["reference", "save", "actor"]
+    assert run_jobs({n: job(n) for n in order}, 2, on_main={"node"}) == {n: n for n in order}
+    assert peak[0] == 2 and where["node"]
+
+    def fails() -> None:
+        raise RuntimeError("the reference run failed")
+
+    started = []
+    jobs = {"reference": fails, **{k: lambda k=k: started.append(k) for k in KINDS}}
+    with pytest.raises(RuntimeError, match="reference run failed"):
+        run_jobs(jobs, 1, on_main=set())
+    assert started == []  # nothing starts after a failure

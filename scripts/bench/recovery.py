@@ -23,7 +23,14 @@ and read back from the run:
   losses_equal every step's loss equals the uninterrupted reference run's (bit for bit)
   samples_ok   every finished epoch trained each of its samples exactly once (samples.jsonl)
 
-Usage: dhp bench recovery [--json PATH] [--quick] [--kinds actor,node,...] [--keep DIR]
+`--quick` (tests/test_faults.py) trains 8 steps with a checkpoint every 2 and the fault after step 3, without
+the held-out evaluation: its stream's loader and preprocessing processes would start with every run and
+rebuild, and no check reads the evaluation. `--jobs N` runs the reference and the kinds N at a time (the node
+kind on the main thread, which starts the cluster): a run's waits (Ray's start, the hang kind's step deadline,
+the node probe) then overlap another run's work, but on 2 cores the runs contend, so detect_s and recover_s
+are comparable between runs of the bench only at the default of 1.
+
+Usage: dhp bench recovery [--json PATH] [--quick] [--kinds actor,node,...] [--keep DIR] [--jobs N]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,11 +56,31 @@ from dhp.scripts.results import write_json
 KINDS = ("actor", "node", "hang", "preempt", "save")
 SAMPLES = 16  # synthetic training records: with a global batch of 4, an epoch is 4 steps
 HANG_TIMEOUT_S = 20
+_SYNTH_LOCK = threading.Lock()
+
+
+def synthetic_set(out: Path) -> tuple[Path, Path]:
+    """(train, held-out) annotation files of the runs under `out`, written on first use (once, however many
+    threads start runs)."""
+    from dhp.dataflow.synth import write_synthetic_dataset
+
+    with _SYNTH_LOCK:
+        synth = write_synthetic_dataset(out / "synth", SAMPLES, seed=0, eval_num=4)
+    return synth.train_path.resolve(), synth.val_path.resolve()
 
 
 def start_run(
-    out: Path, name: str, steps: int, checkpoint_every: int, *extra: str, env: dict[str, str] | None = None
+    out: Path,
+    name: str,
+    steps: int,
+    checkpoint_every: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    evaluate: bool = True,
 ) -> Run:
+    """`dhp train` on the synthetic set of `out`; `evaluate`: with the held-out split (a loader and its
+    preprocessing processes more, evaluated once at the end)."""
+    train, held_out = synthetic_set(out)
     cmd = [
         sys.executable,
         "-m",
@@ -60,9 +88,8 @@ def start_run(
         "train",
         f"output.dir={out}/runs",
         f"output.name={name}",
-        f"data.synthetic.dir={out}/synth",
-        f"data.synthetic.num={SAMPLES}",
-        "data.synthetic.eval_num=4",
+        f"data.train={train}",
+        f"data.eval={held_out if evaluate else ''}",
         f"training.steps={steps}",
         f"training.checkpoint_every={checkpoint_every}",
         "training.eval_every=0",
@@ -170,39 +197,39 @@ def epochs_exact(run_dir: Path, train_file: Path, steps: int, per_step: int) -> 
     return finished >= 1 and all(set(ids.get(e, {})) == good and set(ids[e].values()) == {1} for e in range(finished))
 
 
-def _fault(kind: str, out: Path, steps: int, every: int, at: int) -> Fault:
+def _fault(kind: str, out: Path, steps: int, every: int, at: int, evaluate: bool) -> Fault:
     if kind == "actor":
-        run = start_run(out, kind, steps, every)
+        run = start_run(out, kind, steps, every, evaluate=evaluate)
         killed = kill_vision_actor_after_step(run, at)
         return Fault(run, killed, run.steps_done(), runs=[run])
     if kind == "hang":
-        run = start_run(out, kind, steps, every, f"training.step_timeout_s={HANG_TIMEOUT_S}")
+        run = start_run(out, kind, steps, every, f"training.step_timeout_s={HANG_TIMEOUT_S}", evaluate=evaluate)
         pid = run.pid_of("vision", 1)
         run.wait_for_step(at)
         os.kill(pid, signal.SIGSTOP)
         return Fault(run, time.time(), run.steps_done(), runs=[run])
     if kind == "preempt":
-        first = start_run(out, kind, steps, every)
+        first = start_run(out, kind, steps, every, evaluate=evaluate)
         first.wait_for_step(at)
         os.kill(first.proc.pid, signal.SIGINT)
         sent, done = time.time(), first.steps_done()
         detected = first.first(r"SIGINT received")[0]
         if first.finish() != 75:
             raise RuntimeError(f"a preempted run must exit with status 75:\n{first.output()[-3000:]}")
-        second = start_run(out, kind, steps, every)
+        second = start_run(out, kind, steps, every, evaluate=evaluate)
         return Fault(second, sent, done, detected, [first, second])
     if kind == "save":
         # The first checkpoint step after `at`; text rank 0 fails it with ENOSPC once.
         fail = (at // every + 1) * every
-        run = start_run(out, kind, steps, every, env={"DHP_INJECT_FAULT": f"enospc@text:0:{fail}"})
+        run = start_run(out, kind, steps, every, env={"DHP_INJECT_FAULT": f"enospc@text:0:{fail}"}, evaluate=evaluate)
         at_line, _ = run.first(rf"checkpoint of step {fail} failed")
         return Fault(run, at_line, fail, at_line, [run])
     if kind == "node":
-        return _node_fault(out, steps, every, at)
+        return _node_fault(out, steps, every, at, evaluate)
     raise ValueError(f"unknown fault kind {kind!r}; kinds: {', '.join(KINDS)}")
 
 
-def _node_fault(out: Path, steps: int, every: int, at: int) -> Fault:
+def _node_fault(out: Path, steps: int, every: int, at: int, evaluate: bool) -> Fault:
     from dhp.scripts.local_cluster import LocalCluster
 
     cluster = LocalCluster(head_cpus=2)
@@ -217,6 +244,7 @@ def _node_fault(out: Path, steps: int, every: int, at: int) -> Fault:
             "pipeline.placement=disjoint",
             "vision.resources={vision_node: 1}",
             "text.resources={text_node: 1}",
+            evaluate=evaluate,
         )
         run.wait_for_step(at)
         cluster.kill("text")
@@ -228,12 +256,25 @@ def _node_fault(out: Path, steps: int, every: int, at: int) -> Fault:
         cluster.shutdown()
 
 
-def measure(kind: str, out: Path, steps: int, every: int, at: int, reference: list[float]) -> dict[str, Any]:
-    fault = _fault(kind, out, steps, every, at)
+def faulted(kind: str, out: Path, steps: int, every: int, at: int, evaluate: bool) -> Fault:
+    """The fault of `kind` made in a run that then trained to its end."""
+    fault = _fault(kind, out, steps, every, at, evaluate)
+    if fault.run.finish() != 0:
+        raise RuntimeError(f"the {kind} run failed:\n{fault.run.output()[-3000:]}")
+    return fault
+
+
+def uninterrupted(out: Path, steps: int, every: int, evaluate: bool) -> list[float]:
+    """Every step's loss of the reference run, which no fault touches."""
+    ref = start_run(out, "reference", steps, every, evaluate=evaluate)
+    if ref.finish() != 0:
+        raise RuntimeError(f"the reference run failed:\n{ref.output()[-3000:]}")
+    return [r["loss"] for r in ref.records()]
+
+
+def measure(kind: str, fault: Fault, out: Path, steps: int, every: int, at: int, reference: list[float]) -> dict:
+    """The row of one fault kind, read back from its finished run."""
     run, fault_at, detected = fault.run, fault.at, fault.detected
-    code = run.finish()
-    if code != 0:
-        raise RuntimeError(f"the {kind} run failed:\n{run.output()[-3000:]}")
     summary = json.loads((run.dir / "summary.json").read_text())
     records = run.records()
     if detected is None:
@@ -265,25 +306,73 @@ def measure(kind: str, out: Path, steps: int, every: int, at: int, reference: li
     }
 
 
+def run_jobs(jobs: dict[str, Callable[[], Any]], workers: int, on_main: set[str]) -> dict[str, Any]:
+    """Each job's result, `workers` jobs at a time, taken in the order given as threads free up; those named in
+    `on_main` only by the calling thread. After a failure no job starts, and the first failure is raised once
+    the running ones have ended."""
+    todo, results, errors, lock = list(jobs), {}, [], threading.Lock()
+
+    def take(main: bool) -> str | None:
+        with lock:
+            name = next((n for n in todo if main or n not in on_main), None)
+            if errors or name is None:
+                return None
+            todo.remove(name)
+            return name
+
+    def work(main: bool) -> None:
+        while (name := take(main)) is not None:
+            try:
+                results[name] = jobs[name]()
+            except Exception as e:  # raised on the calling thread
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(False,), daemon=True) for _ in range(workers - 1)]
+    for t in threads:
+        t.start()
+    work(True)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def job_order(kinds: list[str], jobs: int) -> list[str]:
+    """One at a time: the reference first, so that a broken run fails before any fault is made. Several: the node
+    kind first (the main thread's, which starts its cluster), the others longest first (the hang waits out its
+    deadline)."""
+    if jobs == 1:
+        return ["reference", *kinds]
+    longest = sorted(kinds, key=("node", "hang", "preempt", "actor", "save").index)
+    return [*longest[:2], "reference", *longest[2:]]
+
+
 def main(args: argparse.Namespace) -> int:
     steps, every, at = (8, 2, 3) if args.quick else (12, 4, 7)
+    evaluate = not args.quick
     kinds = [k.strip() for k in (args.kinds or ",".join(KINDS)).split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        print(f"dhp: error: unknown fault kind {unknown[0]!r}; kinds: {', '.join(KINDS)}", file=sys.stderr)
+    if unknown or args.jobs < 1:
+        bad = f"unknown fault kind {unknown[0]!r}; kinds: {', '.join(KINDS)}" if unknown else "--jobs must be >= 1"
+        print(f"dhp: error: {bad}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep) if args.keep else Path(tmp)
-        ref = start_run(out, "reference", steps, every)
-        if ref.finish() != 0:
-            raise RuntimeError(f"the reference run failed:\n{ref.output()[-3000:]}")
-        reference = [r["loss"] for r in ref.records()]
+        synthetic_set(out)  # before the runs start, however many at a time
+
+        def job(name: str) -> Callable[[], Any]:
+            if name == "reference":
+                return lambda: uninterrupted(out, steps, every, evaluate)
+            return lambda: faulted(name, out, steps, every, at, evaluate)
+
         try:
-            rows = [measure(kind, out, steps, every, at, reference) for kind in kinds]
+            done = run_jobs({n: job(n) for n in job_order(kinds, args.jobs)}, args.jobs, on_main={"node"})
         finally:
             for run in Run.started:
                 if run.proc.poll() is None:
                     run.proc.kill()  # its local Ray goes with it (Ray's reaper)
+        rows = [measure(kind, done[kind], out, steps, every, at, done["reference"]) for kind in kinds]
     print(
         f"{'fault':8s} {'detect_s':>9} {'recover_s':>10} {'steps_redone':>12} {'losses_equal':>12} {'samples_ok':>10}"
     )
@@ -303,12 +392,14 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--kinds", default=None)
     parser.add_argument("--keep", default=None)
+    parser.add_argument("--jobs", type=int, default=1)
     sys.exit(main(parser.parse_args()))
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("recovery", help="faults mid-run (actor, node, hang, preempt, save): recovery")
     p.add_argument("--json", default=None, help="write the row here")
-    p.add_argument("--quick", action="store_true", help="8 steps (for tests)")
+    p.add_argument("--quick", action="store_true", help="8 steps, no evaluation (for tests)")
     p.add_argument("--kinds", default=None, help="comma-separated: actor,node,hang,preempt,save (default: all)")
     p.add_argument("--keep", default=None, help="write the runs here and keep them (default: a temp dir)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1: timings comparable)")
