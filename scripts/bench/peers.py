@@ -263,7 +263,8 @@ def run(
     n = n or (2 if quick else N_RANKS)
     gpu_settings(n, _gpus())  # refused before anything starts
     side = 112 if quick else 224
-    sides = ladder(112, 336 if quick else 1568)
+    # Quick: the ladder's two lowest rungs (64 and 144 patches), a climb of 208 probe patches a system, not 948
+    sides = ladder(112, 168 if quick else 1568)
     cap = int((cap_gib or (0.35 if quick else 0.2)) * 2**30)
     steps = 2 if quick else 3
     config = bench_config()
@@ -409,6 +410,6 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("peers", help="dhp next to DeepSpeed ZeRO-3 and uniform TP: speed, largest image per cap")
     p.add_argument("--json", default=None, help="write the results here (and a plot beside it, .png)")
-    p.add_argument("--quick", action="store_true", help="2 ranks, small images: a check that it works")
+    p.add_argument("--quick", action="store_true", help="2 ranks, images to 168 px: a check that it works")
     p.add_argument("--ranks", type=int, default=None, help=f"ranks per system (default {N_RANKS}; quick: 2)")
     p.add_argument("--cap-gib", type=float, default=None, help="per-rank cap (default 0.2; quick: 0.35)")
