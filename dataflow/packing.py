@@ -11,8 +11,9 @@ Two forms of a micro-batch's text (`data.packing`):
   next sample's first one (unpacked, that label is never a target either).
 
 The split is the boundary contract with the stages: the vision pool gets only pixels and grid sizes, the text
-pool only token ids, labels, mask (padded) or cu_seqlens (packed) and positions. Both forms put the images'
-`<|image_pad|>` tokens in sample order, the order of `vision_inputs`' images.
+pool only token ids, labels, mask (padded) or cu_seqlens (packed) and positions. Both forms put the visuals'
+`<|image_pad|>` and `<|video_pad|>` tokens in sample order, the order of `vision_inputs`' images and videos (a video
+is one grid of t > 1 temporal patches: dataflow/video.py).
 """
 
 from __future__ import annotations

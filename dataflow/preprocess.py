@@ -2,7 +2,8 @@
 
 Runs inside Ray Data workers (never in the trainer actors). Every step uses transformers' own pieces:
 `Qwen2VLImageProcessorPil` (smart_resize within min/max pixels, normalise, 14x14x2 patchify), the Qwen2.5
-tokenizer and chat template, and `get_rope_index` for the 3-D mRoPE positions.
+tokenizer and chat template, and `get_rope_index` for the 3-D mRoPE positions. A record's video (`"video"`, one
+`<video>` in the text) is decoded, sampled and patchified by dataflow/video.py.
 
 Output of `Preprocessor.__call__` (one Ray Data row):
     source  str    where the record came from ("file:line")
@@ -10,8 +11,11 @@ Output of `Preprocessor.__call__` (one Ray Data row):
     detail  str    human-readable detail of the error
     sample  bytes  safetensors blob (see `encode_sample`), empty on error
     tokens  int    sequence length L (0 on error)
-Sample tensors: pixel_values f32 [P, 1176]; image_grid_thw i64 [n_img, 3]; input_ids i64 [L];
-labels i64 [L] (-100 except assistant replies); position_ids i64 [3, L].
+Sample tensors: pixel_values f32 [P, 1176]; image_grid_thw i64 [n_visual, 3]; input_ids i64 [L];
+labels i64 [L] (-100 except assistant replies); position_ids i64 [3, L]; second_per_grid_ts f32 [n_video].
+The visuals -- images and videos alike, the vision encoder treats a video as an image of t > 1 temporal patches --
+are in the order of their placeholders in the text: pixel_values and image_grid_thw hold them in that order, and
+their merged tokens fill the sample's `<|image_pad|>` and `<|video_pad|>` tokens in that order.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import io
 import json
 import pickle
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +35,13 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from dhp.dataflow.storage import filesystem, is_uri, resolve, scheme_of
+from dhp.dataflow.video import BadVideo, VideoSettings, decode_video, frame_list, video_patches
 from dhp.errors import one_line
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+PLACEHOLDERS = re.compile("<image>|<video>")
 ROLES = {"human": "user", "gpt": "assistant"}
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -55,6 +63,7 @@ class PreprocessSettings:
     tokenizer_path: str | None = None
     storage: Any = None  # storage.Storage (resolved in the driver) or StorageConfig: how s3:// is reached
     records: Any = None  # the files' format (sources.record_format: Jsonl, WebDataset); None: JSONL
+    video: VideoSettings = dataclasses.field(default_factory=VideoSettings)  # frame sampling and size of videos
 
 
 def encode_sample(sample: dict[str, np.ndarray]) -> bytes:
@@ -65,8 +74,9 @@ def decode_sample(blob: bytes) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v.copy()) for k, v in st_load(blob).items()}
 
 
-def parse_record(text: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """JSON text -> (image paths, [(role, value)]), validated; raises SkipSample with the reason."""
+def parse_record(text: str) -> tuple[list[str], list[tuple[str, str]], str | list[str] | None]:
+    """JSON text -> (image paths, [(role, value)], video: a path, a list of frame paths or None), validated;
+    raises SkipSample with the reason."""
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
@@ -90,9 +100,16 @@ def parse_record(text: str) -> tuple[list[str], list[tuple[str, str]]]:
     n_placeholders = sum(v.count(IMAGE_PLACEHOLDER) for _, v in parsed)
     if n_placeholders != len(images):
         raise SkipSample("image_count_mismatch", f"{n_placeholders} <image> for {len(images)} image(s)")
+    video = record.get("video")
+    frames_ok = isinstance(video, list) and video and all(isinstance(p, str) and p for p in video)
+    if video is not None and not (isinstance(video, str) and video) and not frames_ok:
+        raise SkipSample("wrong_field_type", "'video' must be a path or a list of frame paths")
+    n_videos = sum(v.count(VIDEO_PLACEHOLDER) for _, v in parsed)
+    if n_videos != (video is not None):
+        raise SkipSample("video_count_mismatch", f"{n_videos} <video> for {int(video is not None)} video(s)")
     if not any(role == "assistant" for role, _ in parsed):
         raise SkipSample("no_assistant_turn", "nothing to learn: no 'gpt' turn")
-    return images, parsed
+    return images, parsed, video
 
 
 _CACHED: dict[bytes, Preprocessor] = {}
@@ -142,6 +159,17 @@ class Preprocessor:
         self.rope_positions = rope_positions
         self.merge_unit = vc.spatial_merge_size**2
         self.pad_id = self.tokenizer.token_to_id("<|image_pad|>")
+        self.video_pad_id = self.tokenizer.token_to_id("<|video_pad|>")
+        # Frames go through the same PIL image processor as images, within the video pixel bounds
+        # (dataflow/video.py says why).
+        self.frame_processor = Qwen2VLImageProcessorPil(
+            min_pixels=settings.video.min_pixels,
+            max_pixels=settings.video.max_pixels,
+            patch_size=vc.patch_size,
+            temporal_patch_size=vc.temporal_patch_size,
+            merge_size=vc.spatial_merge_size,
+        )
+        self.temporal = vc.temporal_patch_size
         self.im_end_id = self.tokenizer.token_to_id("<|im_end|>")
         # The same filesystem code as the annotation reads; one per URI scheme, made once per worker.
         self.storage = resolve(settings.storage)
@@ -153,7 +181,7 @@ class Preprocessor:
         try:
             if row.get("skip"):  # the reader knew already (a shard's missing member: dataflow/webdataset.py)
                 raise SkipSample(*row["skip"].split("\t", 1))
-            sample = self.process(row["record"], row.get("image") or None)
+            sample = self.process(row["record"], row.get("image") or None, row.get("video") or None)
         except SkipSample as e:
             return {
                 "source": row["source"],
@@ -172,38 +200,80 @@ class Preprocessor:
             "tokens": int(sample["input_ids"].shape[0]),
         }
 
-    def process(self, text: str, image: bytes | None = None) -> dict[str, np.ndarray]:
-        """One record -> the sample's tensors; `image`: the record's one image's bytes when the reader holds
-        them (a WebDataset member) rather than a path to read."""
-        image_paths, turns = parse_record(text)
+    def process(self, text: str, image: bytes | None = None, video: bytes | None = None) -> dict[str, np.ndarray]:
+        """One record -> the sample's tensors; `image` / `video`: the record's one image's or video's bytes when
+        the reader holds them (a WebDataset member) rather than a path to read."""
+        image_paths, turns, video_ref = parse_record(text)
         if image is not None:
             images = [self.decode_image(image, image_paths[0])]
         else:
             images = [self.load_image(p) for p in image_paths]
+        image_pixels: list[np.ndarray] = []
+        image_grids: list[np.ndarray] = []
         if images:
             try:
                 out = self.image_processor(images=images, return_tensors="np")
             except ValueError as e:  # smart_resize refuses aspect ratios beyond 200:1
                 raise SkipSample("bad_image_shape", str(e)) from None
-            pixel_values = out["pixel_values"].astype(np.float32)
-            grid = out["image_grid_thw"].astype(np.int64)
+            grids = out["image_grid_thw"].astype(np.int64)
+            image_pixels = np.split(out["pixel_values"].astype(np.float32), grids.prod(-1).cumsum()[:-1])
+            image_grids = list(grids)
+        videos, seconds = [], []
+        if video_ref is not None:
+            pixels, grid, second = self.load_video(video_ref, video)
+            videos.append((pixels, grid))
+            seconds.append(second)
+        # The visuals in the order of their placeholders (module docstring).
+        kinds = [m.group() for _, v in turns for m in PLACEHOLDERS.finditer(v)]
+        own_images, own_videos = iter(zip(image_pixels, image_grids)), iter(videos)
+        visuals = [next(own_videos) if k == VIDEO_PLACEHOLDER else next(own_images) for k in kinds]
+        if visuals:
+            pixel_values = np.concatenate([p for p, _ in visuals])
+            grid = np.stack([g for _, g in visuals]).astype(np.int64)
         else:
-            pixel_values = np.zeros((0, 3 * 2 * 14 * 14), np.float32)
+            pixel_values = np.zeros((0, 3 * self.temporal * self.config.vision_config.patch_size**2), np.float32)
             grid = np.zeros((0, 3), np.int64)
-        input_ids, labels = self.tokenize(turns, (grid.prod(-1) // self.merge_unit).tolist())
+        is_video = np.array([k == VIDEO_PLACEHOLDER for k in kinds], bool)
+        input_ids, labels = self.tokenize(turns, (grid.prod(-1) // self.merge_unit).tolist(), is_video.tolist())
         if len(input_ids) > self.settings.max_seq_len:
             raise SkipSample("too_long", f"{len(input_ids)} tokens > data.max_seq_len={self.settings.max_seq_len}")
-        positions = self.rope_positions(torch.from_numpy(input_ids), torch.from_numpy(grid), self.config)
+        ids, image_grid = torch.from_numpy(input_ids), torch.from_numpy(grid[~is_video])
+        if videos:
+            video_grid, second_per_grid = torch.from_numpy(grid[is_video]), torch.tensor(seconds, dtype=torch.float64)
+            positions = self.rope_positions(ids, image_grid, self.config, video_grid, second_per_grid)
+        else:
+            positions = self.rope_positions(ids, image_grid, self.config)
         return {
             "pixel_values": pixel_values,
             "image_grid_thw": grid,
             "input_ids": input_ids,
             "labels": labels,
             "position_ids": positions.numpy().astype(np.int64),
+            "second_per_grid_ts": np.asarray(seconds, np.float64),
         }
 
-    def load_image(self, rel_path: str) -> Image.Image:
-        """Bytes of a path relative to `image_root`, or of an absolute URI, through the pyarrow filesystem.
+    def load_video(self, ref: str | list[str], data: bytes | None) -> tuple[np.ndarray, np.ndarray, float]:
+        """A record's video (a file, its bytes `data`, or a list of frame files) -> (pixel_values, grid [3],
+        second_per_grid_ts), or the skip that names where it came from (dataflow/video.py)."""
+        s = self.settings.video
+        where = ref if isinstance(ref, str) else f"{ref[0]} and {len(ref) - 1} more frames"
+        try:
+            if isinstance(ref, list):
+                frames, fps = frame_list([self.load_image(p, "frame") for p in ref], s, self.temporal)
+            else:
+                if data is None:
+                    where, data = self.read(ref, "video")
+                frames, fps = decode_video(data, s, self.temporal)
+            pixels, grid = video_patches(frames, self.frame_processor, self.temporal)
+        except BadVideo as e:
+            raise SkipSample(e.reason, f"{where}: {e}") from None
+        except ValueError as e:  # smart_resize refuses aspect ratios beyond 200:1
+            raise SkipSample("bad_video_shape", f"{where}: {e}") from None
+        return pixels, grid[0], self.temporal / fps
+
+    def read(self, rel_path: str, kind: str = "image") -> tuple[str, bytes]:
+        """(where, bytes) of a path relative to `image_root`, or of an absolute URI, through the pyarrow
+        filesystem; `kind` names the skip ("missing_image", "unreadable_video", ...).
 
         Skip details name the full location (s3://bucket/key or the local path), which is what a person
         needs to find the object; transient S3 errors were already retried by the filesystem.
@@ -218,12 +288,22 @@ class Preprocessor:
             where = f"{self.root_scheme}://{path}" if self.root_scheme else path
         try:
             with fs.open_input_stream(path) as f:
-                data = f.read()
+                return where, f.read()
         except FileNotFoundError:
-            raise SkipSample("missing_image", f"{where}: not found") from None
+            raise SkipSample(f"missing_{kind}", f"{where}: not found") from None
         except OSError as e:  # a folder, no permission, or a storage error that outlived the retries
-            raise SkipSample("unreadable_image", f"{where}: {one_line(e)}") from None
-        return self.decode_image(data, rel_path)
+            raise SkipSample(f"unreadable_{kind}", f"{where}: {one_line(e)}") from None
+
+    def load_image(self, rel_path: str, kind: str = "image") -> Image.Image:
+        """A decoded image from a path relative to `image_root` or an absolute URI (`read`); `kind` "frame": a
+        video's frame file, whose skips count as the video's (missing_video, corrupt_video, ...)."""
+        _, data = self.read(rel_path, "video" if kind == "frame" else kind)
+        try:
+            return self.decode_image(data, rel_path)
+        except SkipSample as e:
+            if kind == "frame":
+                raise SkipSample("corrupt_video", f"frame {e.detail}") from None
+            raise
 
     @staticmethod
     def decode_image(data: bytes, name: str) -> Image.Image:
@@ -237,19 +317,25 @@ class Preprocessor:
             raise SkipSample("degenerate_image", f"{name}: size {image.size}")
         return image  # the image processor's convert_to_rgb blends transparency onto white, as upstream
 
-    def tokenize(self, turns: list[tuple[str, str]], image_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Chat template -> ids with each <image> expanded to its <|image_pad|> run; labels on replies.
+    def tokenize(
+        self, turns: list[tuple[str, str]], visual_tokens: list[int], is_video: list[bool] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Chat template -> ids with each <image> / <video> expanded to its <|image_pad|> / <|video_pad|> run;
+        labels on replies. `visual_tokens`: the merged tokens of each visual in placeholder order, `is_video`
+        which of them are videos (None: all images).
 
-        Each image is rendered as a single <|image_pad|> (the chat template's form) and expanded after
+        Each visual is rendered as a single pad token (the chat template's form) and expanded after
         tokenisation: cheaper than tokenising thousands of pad tokens, and pad tokens never merge.
         """
-        vision = "<|vision_start|><|image_pad|><|vision_end|>"
+        is_video = is_video or [False] * len(visual_tokens)
+        image = "<|vision_start|><|image_pad|><|vision_end|>"
+        video = "<|vision_start|><|video_pad|><|vision_end|>"
         pieces: list[tuple[str, bool]] = [(f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n", False)]
         for role, value in turns:
             if role == "assistant":
                 pieces += [("<|im_start|>assistant\n", False), (value + "<|im_end|>", True), ("\n", False)]
             else:
-                value = value.replace(IMAGE_PLACEHOLDER, vision)
+                value = value.replace(IMAGE_PLACEHOLDER, image).replace(VIDEO_PLACEHOLDER, video)
                 pieces.append((f"<|im_start|>{role}\n{value}<|im_end|>\n", False))
         text = "".join(p for p, _ in pieces)
         spans, pos = [], 0
@@ -259,15 +345,21 @@ class Preprocessor:
             pos += len(piece)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
-        if ids.count(self.pad_id) != len(image_tokens):  # e.g. a literal <|image_pad|> in the text
-            raise SkipSample("image_count_mismatch", f"{ids.count(self.pad_id)} image pads, {len(image_tokens)} images")
+        pad_ids = (self.pad_id, self.video_pad_id)
+        pads = [t for t in ids if t in pad_ids]
+        if pads != [self.video_pad_id if v else self.pad_id for v in is_video]:  # e.g. a literal <|image_pad|>
+            raise SkipSample(
+                "image_count_mismatch",
+                f"{pads.count(self.pad_id)} image and {pads.count(self.video_pad_id)} video pads for "
+                f"{len(is_video) - sum(is_video)} image(s) and {sum(is_video)} video(s)",
+            )
         # A token is a label when it lies inside a reply span (the reply's text and its <|im_end|>).
         labelled = [any(s <= a and b <= e for s, e in spans) for a, b in offsets]
         out_ids: list[int] = []
         out_labels: list[int] = []
-        runs = iter(image_tokens)
+        runs = iter(visual_tokens)
         for tok, is_label in zip(ids, labelled):
-            count = next(runs) if tok == self.pad_id else 1
+            count = next(runs) if tok in pad_ids else 1
             out_ids += [tok] * count
             out_labels += [tok if is_label else IGNORE_INDEX] * count
         return np.asarray(out_ids, np.int64), np.asarray(out_labels, np.int64)

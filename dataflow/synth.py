@@ -14,6 +14,11 @@ if image features actually reach the language model. To make that true:
 Images vary in width and height independently (not square), and some records have two images or two
 rounds, so the dynamic-resolution, multi-image and multi-turn code paths are exercised too. The val
 split comes from its own RNG stream, so it is held out, not a copy of train.
+
+A `video_fraction` of the records are short videos instead (`videos/`): one shape moving from one cell of the
+3x3 grid to another over `VIDEO_FRAMES` frames at `VIDEO_FPS` frames a second, captioned with both cells, so the
+caption needs the first and the last frames. Half of them are MPEG-4 files (written with PyAV), half lists of
+PNG frame files (`"video": [...]`), the two forms a record's video takes (dataflow/video.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 FORMAT_VERSION = 1
+VIDEO_FRAMES = 8  # frames of a synthetic video
+VIDEO_FPS = 4  # its frame rate: 2 s long
 FORMAT_NAME = "dhp-synth"
 
 # Saturated colours far from each other and from the light backgrounds (all channels >= 215).
@@ -57,6 +64,7 @@ PROMPTS = (
     "Describe what you see.",
 )
 MULTI_PROMPTS = ("Describe both images.", "Write a caption for each of the two images.")
+VIDEO_PROMPTS = ("Describe the video.", "What happens in this clip?")
 # (question, attribute) pairs for the second round; questions name no attribute value.
 QUESTIONS = (
     ("What colour is the shape?", "colour"),
@@ -77,6 +85,7 @@ class SynthSummary:
     num_train: int
     num_val: int
     num_images: int  # image files across both splits (multi-image records have two)
+    num_videos: int  # video records across both splits (an MPEG-4 file or a list of frame files each)
     seed: int
     reused: bool  # True when an identical complete dataset was already in place
 
@@ -119,15 +128,18 @@ def _draw_image(rng: np.random.Generator, min_size: int, max_size: int) -> tuple
         centre.append(float(rng.uniform(c0, c1)) if c1 > c0 else (idx + 0.5) * extent / 3)
     cx, cy = centre
     img = Image.new("RGB", (w, h), bg)
-    draw = ImageDraw.Draw(img)
-    fill = PALETTE[attrs["colour"]]
-    if attrs["shape"] == "circle":
+    _draw_shape(ImageDraw.Draw(img), attrs["shape"], cx, cy, r, PALETTE[attrs["colour"]])
+    return img, attrs
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill: tuple) -> None:
+    if shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
-    elif attrs["shape"] == "square":
+    elif shape == "square":
         s = 0.85 * r
         draw.rectangle((cx - s, cy - s, cx + s, cy + s), fill=fill)
     else:
-        n, inner = (3, None) if attrs["shape"] == "triangle" else (5, 0.45 * r)
+        n, inner = (3, None) if shape == "triangle" else (5, 0.45 * r)
         pts = []
         for k in range(n):
             a = -np.pi / 2 + 2 * np.pi * k / n
@@ -136,12 +148,77 @@ def _draw_image(rng: np.random.Generator, min_size: int, max_size: int) -> tuple
                 b = a + np.pi / n
                 pts.append((cx + inner * np.cos(b), cy + inner * np.sin(b)))
         draw.polygon([(float(x), float(y)) for x, y in pts], fill=fill)
-    return img, attrs
+
+
+def video_caption(attrs: dict[str, str], end: str) -> str:
+    return f"A {attrs['size']} {attrs['colour']} {attrs['shape']} moves from the {attrs['position']} to the {end}."
+
+
+def _draw_video(rng: np.random.Generator, min_size: int, max_size: int) -> tuple[list[Image.Image], str]:
+    """VIDEO_FRAMES frames of one shape moving in a straight line from its cell's centre to another cell's, and
+    the caption. Even sides: the MPEG-4 encoder's 4:2:0 chroma needs them."""
+    w, h = (int(v) // 2 * 2 for v in rng.integers(min_size, max_size + 1, size=2))
+    attrs = {
+        "size": _pick(rng, SIZES),
+        "colour": _pick(rng, list(PALETTE)),
+        "shape": _pick(rng, SHAPES),
+        "position": _pick(rng, POSITIONS),
+    }
+    end = _pick(rng, [p for p in POSITIONS if p != attrs["position"]])
+    bg = (255, 255, 255)
+    r = float(np.mean(_SIZE_FRAC[attrs["size"]])) * min(w, h)
+    (r0, c0), (r1, c1) = divmod(POSITIONS.index(attrs["position"]), 3), divmod(POSITIONS.index(end), 3)
+    frames = []
+    for k in range(VIDEO_FRAMES):
+        a = k / (VIDEO_FRAMES - 1)
+        cx = ((1 - a) * (c0 + 0.5) + a * (c1 + 0.5)) * w / 3
+        cy = ((1 - a) * (r0 + 0.5) + a * (r1 + 0.5)) * h / 3
+        img = Image.new("RGB", (w, h), bg)
+        _draw_shape(ImageDraw.Draw(img), attrs["shape"], cx, cy, r, PALETTE[attrs["colour"]])
+        frames.append(img)
+    return frames, video_caption(attrs, end)
+
+
+def write_mp4(path: Path, frames: list[Image.Image], fps: int = VIDEO_FPS) -> None:
+    """`frames` as an MPEG-4 Part 2 video (FFmpeg's own encoder, in every PyAV wheel), one thread: the same bytes
+    on every machine."""
+    import av
+
+    with av.open(str(path), mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        stream.bit_rate = 4_000_000
+        stream.codec_context.thread_count = 1
+        for img in frames:
+            out.mux(stream.encode(av.VideoFrame.from_image(img)))
+        out.mux(stream.encode(None))
+
+
+def _make_video_record(rng: np.random.Generator, rid: str, min_size: int, max_size: int) -> tuple[dict, list]:
+    frames, text = _draw_video(rng, min_size, max_size)
+    prompt = _pick(rng, VIDEO_PROMPTS)
+    human = f"<video>\n{prompt}" if rng.random() < 0.5 else f"{prompt}\n<video>"
+    convs = [{"from": "human", "value": human}, {"from": "gpt", "value": text}]
+    if rng.random() < 0.5:
+        path = f"videos/{rid}.mp4"
+        return {"id": rid, "video": path, "conversations": convs}, [(path, frames)]
+    paths = [f"videos/{rid}_{k}.png" for k in range(len(frames))]
+    return {"id": rid, "video": paths, "conversations": convs}, list(zip(paths, frames))
 
 
 def _make_record(
-    rng: np.random.Generator, rid: str, multi_image_p: float, multi_turn_p: float, min_size: int, max_size: int
-) -> tuple[dict, list[tuple[str, Image.Image]]]:
+    rng: np.random.Generator,
+    rid: str,
+    multi_image_p: float,
+    multi_turn_p: float,
+    min_size: int,
+    max_size: int,
+    video_p: float = 0.0,
+) -> tuple[dict, list[tuple[str, Image.Image | list[Image.Image]]]]:
+    # The video coin only when videos are asked for: a set without videos is the one earlier versions wrote.
+    if video_p > 0 and rng.random() < video_p:
+        return _make_video_record(rng, rid, min_size, max_size)
     # Draw both coins every time so one fraction's value never shifts the other's stream.
     multi_image = rng.random() < multi_image_p
     multi_turn = rng.random() < multi_turn_p
@@ -184,6 +261,7 @@ def _summary(out_dir: Path, meta: dict, reused: bool) -> SynthSummary:
         num_train=meta["num"],
         num_val=meta["eval_num"],
         num_images=meta["num_images"],
+        num_videos=meta.get("num_videos", 0),
         seed=meta["seed"],
         reused=reused,
     )
@@ -207,6 +285,7 @@ def write_synthetic_dataset(
     max_size: int = 224,
     multi_image_fraction: float = 0.1,
     multi_turn_fraction: float = 0.2,
+    video_fraction: float = 0.0,
 ) -> SynthSummary:
     """Write ``num`` train and ``eval_num`` val records (plus images and meta.json) into ``out_dir``.
 
@@ -229,6 +308,8 @@ def write_synthetic_dataset(
         "multi_image_fraction": multi_image_fraction,
         "multi_turn_fraction": multi_turn_fraction,
     }
+    if video_fraction > 0:  # absent otherwise: sets written without videos stay complete
+        params["video_fraction"] = video_fraction
     meta = _is_complete(out_dir, params)
     if meta is not None:
         return _summary(out_dir, meta, reused=True)
@@ -240,6 +321,7 @@ def write_synthetic_dataset(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         (tmp / "images").mkdir()
+        (tmp / "videos").mkdir()
         # Spawned children of one SeedSequence are independent streams, so val is held out from train.
         train_ss, val_ss = np.random.SeedSequence(seed).spawn(2)
         bar = tqdm(
@@ -248,21 +330,31 @@ def write_synthetic_dataset(
             unit="rec",
             disable=num + eval_num <= _PROGRESS_MIN or not sys.stderr.isatty(),
         )
-        num_images = 0
+        num_images = num_videos = 0
         for split, count, ss in (("train", num, train_ss), ("val", eval_num, val_ss)):
             rng = np.random.default_rng(ss)
             with open(tmp / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
                 for i in range(count):
-                    rec, images = _make_record(
-                        rng, f"{split}_{i:05d}", multi_image_fraction, multi_turn_fraction, min_size, max_size
+                    rec, files = _make_record(
+                        rng,
+                        f"{split}_{i:05d}",
+                        multi_image_fraction,
+                        multi_turn_fraction,
+                        min_size,
+                        max_size,
+                        video_fraction,
                     )
-                    for rel, img in images:
-                        img.save(tmp / rel, format="PNG")
-                    num_images += len(images)
+                    for rel, img in files:
+                        if isinstance(img, list):
+                            write_mp4(tmp / rel, img)
+                        else:
+                            img.save(tmp / rel, format="PNG")
+                    num_images += len(files) if "image" in rec else 0
+                    num_videos += "video" in rec
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                     bar.update(1)
         bar.close()
-        meta = {**params, "num_images": num_images}
+        meta = {**params, "num_images": num_images, "num_videos": num_videos}
         # meta.json last: its presence is what marks the set complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if _is_complete(out_dir, params) is not None:  # a concurrent writer finished first

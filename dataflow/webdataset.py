@@ -1,24 +1,28 @@
 """img2dataset WebDataset shards -> one-image conversation records: what `split_records` is for JSONL.
 
-A shard is a tar of samples: `{key}.jpg` (or .jpeg/.png/.webp), `{key}.txt` (the caption img2dataset
-chose) and `{key}.json` (every other column: LAION-POP's `cogvlm_caption`, `llava_caption`, url, ...).
+A shard is a tar of samples: `{key}.jpg` (or .jpeg/.png/.webp; or a video: .mp4/.webm/.mkv/.avi/.mov), `{key}.txt`
+(the caption img2dataset chose) and `{key}.json` (every other column: LAION-POP's `cogvlm_caption`,
+`llava_caption`, url, ...).
 A sample's members are consecutive in the tar (img2dataset and webdataset's writers keep them together),
 so a shard streams member by member from its object, one sample at a time.
 
 Each sample becomes the row the preprocessor takes (`Preprocessor.__call__`): `source` "shard:key", `record`
 a LLaVA-style conversation, [user: `data.webdataset.prompt` (holds <image> once), assistant: the caption],
-`image` the image member's bytes. A sample that cannot become one is a row with `skip` = "reason\\tdetail",
+`image` the image member's bytes; a sample whose member is a video instead gets `<video>` in the prompt's `<image>`
+place and `video` the member's bytes (decoded, sampled and patchified in the preprocessor: dataflow/video.py).
+A sample that cannot become one is a row with `skip` = "reason\\tdetail",
 which the preprocessor turns into a counted skip (quarantine.jsonl, summary.json) like a bad JSONL line:
 
     missing_shard          the shard object does not exist (a failed img2dataset shard)
     unreadable_shard       it exists but cannot be read (permissions, a storage error past the retries)
     truncated_tar          the tar ends mid-member or is not a tar: the samples before it are kept
-    missing_image          a key without an image member
+    missing_image          a key without an image or video member
     missing_caption        no `.txt` member / no such field in the `.json` member (or the .json is not JSON)
     empty_caption          a caption of only whitespace
     special_token_caption  a caption holding a chat-template token (`<|im_end|>`, ...) or `<image>`
 
-(A corrupt or truncated JPEG is found where the image is decoded: `corrupt_image`, as for JSONL.)
+(A corrupt or truncated JPEG is found where the image is decoded: `corrupt_image`, as for JSONL; an undecodable
+video: `corrupt_video`.)
 Shuffle and data-parallel split: the shards' order is permuted with the epoch's seed (`sources.WebDataset`), each
 shard's samples with it too (`positions.own_rows`). Data-parallel streams are dealt whole shards (each byte is
 fetched once in all) when there are at least 2 per stream, else each keeps every N-th sample of every shard
@@ -33,13 +37,14 @@ import tarfile
 from typing import Any
 
 from dhp.dataflow.positions import own_rows
+from dhp.dataflow.video import VIDEO_EXTENSIONS
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 SPECIAL_TOKEN = re.compile(r"<\|[^|<>]+\|>|<image>")
 
 
-def _row(source: str, record: str = "", image: bytes = b"", skip: str = "") -> dict[str, Any]:
-    return {"source": source, "record": record, "image": image, "skip": skip}
+def _row(source: str, record: str = "", image: bytes = b"", skip: str = "", video: bytes = b"") -> dict[str, Any]:
+    return {"source": source, "record": record, "image": image, "video": video, "skip": skip}
 
 
 def _skip(source: str, reason: str, detail: str) -> dict[str, Any]:
@@ -67,9 +72,10 @@ def caption_of(members: dict[str, bytes], field: str) -> tuple[str | None, str]:
 def sample_row(shard: str, key: str, members: dict[str, bytes], prompt: str, caption_field: str) -> dict[str, Any]:
     """One sample's members (extension -> bytes) -> its preprocessor row, or a skip row naming `shard:key`."""
     source = f"{shard}:{key}"
-    ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
+    ext = next((e for e in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS if e in members), None)
     if ext is None:
-        return _skip(source, "missing_image", f"no {'/'.join(IMAGE_EXTENSIONS)} member (has {sorted(members)})")
+        kinds = "/".join(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)
+        return _skip(source, "missing_image", f"no {kinds} member (has {sorted(members)})")
     caption, why = caption_of(members, caption_field)
     if caption is None:
         return _skip(source, "missing_caption", why)
@@ -78,6 +84,16 @@ def sample_row(shard: str, key: str, members: dict[str, bytes], prompt: str, cap
     special = SPECIAL_TOKEN.search(caption)
     if special:
         return _skip(source, "special_token_caption", f"caption holds {special.group()!r}")
+    if ext in VIDEO_EXTENSIONS:
+        record = {
+            "id": key,
+            "video": f"{key}.{ext}",
+            "conversations": [
+                {"from": "human", "value": prompt.replace("<image>", "<video>")},
+                {"from": "gpt", "value": caption.strip()},
+            ],
+        }
+        return _row(source, json.dumps(record), video=members[ext])
     record = {
         "id": key,
         "image": f"{key}.{ext}",

@@ -66,8 +66,9 @@ class VisionModel(nn.Module):
 class TextModel(nn.Module):
     """Token ids + vision embeddings -> loss, with the merge of the two done as transformers does it.
 
-    `<|image_pad|>` positions of `input_ids` receive the rows of `vision_embeds` in order
-    (`masked_scatter`, as in `Qwen2_5_VLModel.forward`); positions are the 3-D mRoPE ids.
+    `<|image_pad|>` and `<|video_pad|>` positions of `input_ids` receive the rows of `vision_embeds` in order
+    (`masked_scatter`, as in `Qwen2_5_VLModel.forward`, which scatters images and videos separately: the rows
+    come in placeholder order, dataflow/preprocess.py, so one scatter is the same); positions are the 3-D mRoPE ids.
 
     `packed`: the micro-batches are packed (dataflow/packing.py), one sequence of several samples with their
     `cu_seqlens`; the decoder layers then attend with `varlen_kernel()` (models/packed_attention.py), inside each
@@ -84,6 +85,7 @@ class TextModel(nn.Module):
         self.language_model = Qwen2_5_VLTextModel._from_config(text_config, dtype=torch.float32)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.image_token_id = config.image_token_id
+        self.video_token_id = config.video_token_id
         if config.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
@@ -98,10 +100,11 @@ class TextModel(nn.Module):
         """[B, L] ids, [N_img_tokens, H] vision rows, [3, B, L] positions, [B, L] mask -> [B, L, H]. A packed
         sequence: B = 1, no mask, and `cu_seqlens` [n + 1], where each of its n samples starts (then L)."""
         embeds = self.language_model.embed_tokens(input_ids)
-        image_mask = input_ids == self.image_token_id
+        image_mask = (input_ids == self.image_token_id) | (input_ids == self.video_token_id)
         if int(image_mask.sum()) != vision_embeds.shape[0]:
             raise ValueError(
-                f"{int(image_mask.sum())} <|image_pad|> tokens but {vision_embeds.shape[0]} vision embeddings"
+                f"{int(image_mask.sum())} <|image_pad|> / <|video_pad|> tokens but {vision_embeds.shape[0]} vision "
+                "embeddings"
             )
         if vision_embeds.shape[0]:
             embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), vision_embeds.to(embeds.dtype))
@@ -165,9 +168,18 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, config: Qwen2_5_VLConfig) -> torch.Tensor:
+def rope_positions(
+    input_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    config: Qwen2_5_VLConfig,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+) -> torch.Tensor:
     """3-D mRoPE position ids [3, L] of one unpadded sample, computed by transformers' `get_rope_index`.
 
+    `image_grid_thw` / `video_grid_thw`: the grids of the sample's images / videos, each in the order of its
+    pad runs; `second_per_grid_ts` [n_videos]: seconds per temporal patch of each video (the time positions of a
+    video advance by tokens_per_second x that per temporal patch).
     `get_rope_index` is a method of `Qwen2_5_VLModel` but reads only `config` and the static
     `get_vision_position_ids`; a stand-in `self` lets the data pipeline call it without a model.
     """
@@ -178,7 +190,16 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, config
         get_vision_position_ids=functools.partial(Qwen2_5_VLModel.get_vision_position_ids, None),
     )
     ids = input_ids.view(1, -1)
-    token_types = (ids == config.image_token_id).int()
+    # mm_token_type_ids: text 0, image 1, video 2 (get_rope_index's convention)
+    token_types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
     grid = image_grid_thw if image_grid_thw.numel() else None
-    positions, _ = Qwen2_5_VLModel.get_rope_index(stand_in, ids, mm_token_type_ids=token_types, image_grid_thw=grid)
+    videos = video_grid_thw if video_grid_thw is not None and video_grid_thw.numel() else None
+    positions, _ = Qwen2_5_VLModel.get_rope_index(
+        stand_in,
+        ids,
+        mm_token_type_ids=token_types,
+        image_grid_thw=grid,
+        video_grid_thw=videos,
+        second_per_grid_ts=second_per_grid_ts if videos is not None else None,
+    )
     return positions[:, 0]

@@ -1,7 +1,7 @@
 """The `dhp` command.
 
     dhp train [--config PRESET_OR_YAML] [KEY=VALUE ...]
-    dhp data synth --out DIR --num N --seed S [--eval-num M]
+    dhp data synth --out DIR --num N --seed S [--eval-num M] [--video-fraction F]
     dhp data convert-coco --captions FILE --images DIR --out FILE        (COCO captions -> conversations)
     dhp data convert-laion-pop --in FILE --out FILE [--image-field K] [--caption-field K]
     dhp report RUN_DIR [--out DIR]                            (PNG plots of a run + a summary table)
@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--eval-num", type=int, default=None, help="held-out records (default: max(16, num // 10))")
     synth.set_defaults(run=_synth)
     synth.add_argument("--seed", type=int, default=0, help="seed of the shapes, colours and captions (default 0)")
+    synth.add_argument(
+        "--video-fraction", type=float, default=0.1, help="records that are short videos (default 0.1, as dhp train)"
+    )
 
     coco = data.add_parser("convert-coco", help="COCO captions JSON -> conversation-format JSONL")
     coco.set_defaults(run=_convert)
@@ -155,9 +158,16 @@ def _synth(args: argparse.Namespace) -> int:
 
     if args.num < 1 or (args.eval_num is not None and args.eval_num < 0):
         raise ConfigError(f"--num must be >= 1 and --eval-num >= 0 (got {args.num}, {args.eval_num})")
-    s = write_synthetic_dataset(args.out, args.num, seed=args.seed, eval_num=args.eval_num)
+    if not 0 <= args.video_fraction <= 1:
+        raise ConfigError(f"--video-fraction must be in [0, 1] (got {args.video_fraction})")
+    s = write_synthetic_dataset(
+        args.out, args.num, seed=args.seed, eval_num=args.eval_num, video_fraction=args.video_fraction
+    )
     state = "already present" if s.reused else "written"
-    print(f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images {state} in {s.out_dir}")
+    print(
+        f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images, {s.num_videos} videos {state} in "
+        f"{s.out_dir}"
+    )
     return 0
 
 

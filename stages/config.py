@@ -88,6 +88,7 @@ class SynthConfig:
     num: int = 512  # training records
     eval_num: int = 64  # held-out records
     seed: int = 0  # seed of the shapes, colours and captions
+    video_fraction: float = 0.1  # records that are short videos of a moving shape (half MPEG-4 files, half frame lists)
 
 
 @dataclass
@@ -104,8 +105,19 @@ class StorageConfig:
 
 @dataclass
 class WebDatasetConfig:
-    prompt: str = "<image>\nDescribe this image."  # the user turn of every sample; holds <image> exactly once
+    # the user turn of every sample; holds <image> exactly once (a sample whose member is a video: <video> in its place)
+    prompt: str = "<image>\nDescribe this image."
     caption: str = "txt"  # the reply: the `{key}.txt` member, or this field of `{key}.json` (e.g. cogvlm_caption)
+
+
+@dataclass
+class VideoConfig:
+    fps: float = 2.0  # frames sampled per second of a video (transformers' Qwen2VLVideoProcessor policy)
+    min_frames: int = 4  # at least this many frames per video (when it has them)
+    max_frames: int = 16  # at most this many frames per video (2 frames make one temporal patch)
+    min_pixels: int = 56 * 56  # smart_resize lower bound of one frame (pixels)
+    max_pixels: int = 112 * 112  # smart_resize upper bound of one frame; every frame of a video gets one size
+    frames_fps: float = 2.0  # frames per second that a video given as a list of frame files stands for
 
 
 @dataclass
@@ -132,6 +144,7 @@ class DataConfig:
     synthetic: SynthConfig = field(default_factory=SynthConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)  # how s3:// paths are reached (never credentials)
     webdataset: WebDatasetConfig = field(default_factory=WebDatasetConfig)  # img2dataset shards -> conversations
+    video: VideoConfig = field(default_factory=VideoConfig)  # how videos are sampled and sized (docs/data.md#video)
 
 
 @dataclass
@@ -372,6 +385,12 @@ def validate(config: Config) -> None:
         (0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio must be in [0, 1]"),
         (t.warmup_steps >= 0, "training.warmup_steps must be >= 0"),
         (d.min_pixels <= d.max_pixels, "data.min_pixels must be <= data.max_pixels"),
+        (d.video.min_pixels <= d.video.max_pixels, "data.video.min_pixels must be <= data.video.max_pixels"),
+        (0 <= d.synthetic.video_fraction <= 1, "data.synthetic.video_fraction must be in [0, 1]"),
+        (
+            d.video.fps > 0 and d.video.frames_fps > 0 and 1 <= d.video.min_frames <= d.video.max_frames,
+            "data.video: fps and frames_fps must be > 0 and 1 <= min_frames <= max_frames",
+        ),
         (d.max_seq_len <= d.microbatch_tokens, "data.max_seq_len must be <= data.microbatch_tokens"),
         (d.preprocess_workers >= 1, "data.preprocess_workers must be >= 1"),
         (d.timeout_s >= 0, "data.timeout_s must be >= 0 (0 = no deadline)"),

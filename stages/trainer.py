@@ -22,6 +22,7 @@ from dhp.dataflow.positions import files_key, reshard
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
+from dhp.dataflow.video import VideoSettings
 from dhp.models.architectures import architecture_config
 from dhp.models.fine_tuning import FineTuning
 from dhp.models.parallel.checks import check_layout, replicas
@@ -105,6 +106,7 @@ class Trainer:
             tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
             storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
             records=records,  # JSONL or WebDataset shards (dataflow/sources.py)
+            video=VideoSettings(**dataclasses.asdict(d.video)),  # frame sampling and size (dataflow/video.py)
         )
         check_resources(cfg, wait_s)
         self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)

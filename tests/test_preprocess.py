@@ -452,7 +452,11 @@ def test_max_seq_len_boundary(image_root, config, samples):
 def test_encode_decode_round_trip(name, samples):
     sample = samples[name]
     out = decode_sample(encode_sample(sample))
-    assert set(out) == set(sample) == {"pixel_values", "image_grid_thw", "input_ids", "labels", "position_ids"}
+    assert (
+        set(out)
+        == set(sample)
+        == {"pixel_values", "image_grid_thw", "input_ids", "labels", "position_ids", "second_per_grid_ts"}
+    )
     for key, value in sample.items():
         assert isinstance(out[key], torch.Tensor)
         assert out[key].dtype == torch.from_numpy(value).dtype
