@@ -76,6 +76,19 @@ def pool_shape(cfg: Config) -> tuple:
     return stages, cfg.pipeline.placement_mode.name, cfg.pipeline.transport.direct
 
 
+def trainer_for(cfg: Config, model_config: Any = None, previous: Trainer | None = None) -> Trainer:
+    """A trainer of `cfg` at step 0: `previous` rebuilt for it when its pools have the same shape
+    (`Trainer.reuse`, no process started), else a new one, `previous` shut down first (its resources freed).
+
+    For callers that run several configs one after another on batches they build themselves (the benches)."""
+    if previous is not None:
+        if pool_shape(previous.cfg) == pool_shape(cfg):
+            previous.reuse(cfg, model_config)
+            return previous
+        previous.shutdown()
+    return Trainer(cfg, model_config=model_config)
+
+
 class Trainer:
     def __init__(
         self,

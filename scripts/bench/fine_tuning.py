@@ -38,12 +38,16 @@ def _rank_state(worker: Any) -> dict[str, Any]:
     return {"stage": worker.stage, "rank": worker.rank, **worker.state_bytes()}
 
 
-def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: dict) -> dict[str, Any]:
+def measure(
+    overrides: list[str], ckpt: Path, config: Any, sample: dict, size: dict, previous: Any = None
+) -> tuple[dict[str, Any], Any]:
+    """(the mode's row, the trainer it ran on): `previous`, the last mode's trainer, rebuilt for this mode (every
+    mode has the same pools: no process is started again); the caller shuts the last one down."""
     import ray
 
     from dhp.scripts.bench.time_model import global_batches, timed_steps
     from dhp.stages.config import load_config
-    from dhp.stages.trainer import Trainer
+    from dhp.stages.trainer import trainer_for
 
     length = len(sample["input_ids"])
     cfg = load_config(
@@ -57,7 +61,7 @@ def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: d
             "training.warmup_steps=0",
         ],
     )
-    trainer = Trainer(cfg, model_config=config)
+    trainer = trainer_for(cfg, config, previous)
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
         batches = global_batches(sample, cfg, config, size["samples"] // trainer.dp, trainer.dp)
@@ -69,9 +73,10 @@ def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: d
         for rank, recs in zip(ranks, ray.get([a.measure_activations.remote(False) for a in actors])):
             rank["activations"] = max((r.get("step_bytes", r["bytes"]) for r in recs), default=0)
         trainer.optimizer_step()
-    finally:
+    except BaseException:
         trainer.shutdown()
-    return {"step_s": statistics.median(times[1:]), "steps_s": times, "ranks": ranks}
+        raise
+    return {"step_s": statistics.median(times[1:]), "steps_s": times, "ranks": ranks}, trainer
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -92,11 +97,15 @@ def run(quick: bool) -> dict[str, Any]:
             torch.manual_seed(0)
             Qwen2_5_VLForConditionalGeneration(config).save_pretrained(Path(tmp) / "ckpt")
             sample = image_sample(config, size["side"], Path(tmp) / "images")
-            rows = []
-            for mode, overrides in MODES.items():
-                m = measure(overrides, Path(tmp) / "ckpt", config, sample, size)
-                rows.append({"mode": mode, "overrides": overrides, **m})
-                print(f"{mode}: {m['step_s']:.3f} s", flush=True)
+            rows, trainer = [], None
+            try:
+                for mode, overrides in MODES.items():
+                    m, trainer = measure(overrides, Path(tmp) / "ckpt", config, sample, size, trainer)
+                    rows.append({"mode": mode, "overrides": overrides, **m})
+                    print(f"{mode}: {m['step_s']:.3f} s", flush=True)
+            finally:
+                if trainer is not None:
+                    trainer.shutdown()
     finally:
         if started:
             ray.shutdown()

@@ -275,11 +275,16 @@ def plot_timelines(panels: list[tuple[str, list[dict], tuple[float, float]]], pa
     plt.close(fig)
 
 
-def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | None) -> tuple[dict, list[str]]:
+def run_scenario(
+    name: str, plan_row: tuple, preset: dict, batch, out: Path | None, previous: Any = None
+) -> tuple[dict, list[str], Any]:
+    """(the scenario's row, its timeline text, the trainer it ran on): every scenario has one actor per pool, so
+    `previous`, the last scenario's trainer, is rebuilt for this one's model (`trainer_for`); the caller shuts
+    the last one down."""
     from dhp.models.parallel.schedule import pipeline_schedule, simulate
     from dhp.stages.config import load_config
     from dhp.stages.trace import write_chrome_trace
-    from dhp.stages.trainer import Trainer
+    from dhp.stages.trainer import trainer_for
 
     (depth, layers, intended), m = plan_row, len(batch.microbatches)
     pools = [
@@ -299,7 +304,7 @@ def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | No
             "training.lr=1e-6",
         ],
     )  # the model barely moves: every step costs the same
-    trainer = Trainer(cfg, model_config=model_config(preset, depth, layers))
+    trainer = trainer_for(cfg, model_config(preset, depth, layers), previous)
     res, texts = {}, [f"{name}: vision depth {depth}, text layers {layers}"]
     try:
         for mode, k in MODES:
@@ -308,8 +313,9 @@ def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | No
             PANELS.append((f"{name}, {mode} (max_in_flight={k}): {wall[1] - wall[0]:.2f} s", events, wall))
             if out is not None:
                 write_chrome_trace(events, out.with_name(f"{out.stem}.{name}.{mode}.trace.json"))
-    finally:
+    except BaseException:
         trainer.shutdown()
+        raise
     s, p = res["serial"], res["pipelined"]
     tv, tt = s["vision_forward"] + s["vision_backward"], s["text_forward_backward"]
     alone = {k: min(s[k], p[k]) for k in ("vision_s", "text_s")}  # each pool's own work (module docstring)
@@ -353,7 +359,7 @@ def run_scenario(name: str, plan_row: tuple, preset: dict, batch, out: Path | No
         speedup=row["speedup"] >= GOAL_SPEEDUP if name == "balanced" else None,
         driver_overhead=row["driver_overhead_ms"] <= GOAL_OVERHEAD_MS,
     )
-    return row, texts
+    return row, texts, trainer
 
 
 def table(rows: list[dict]) -> str:
@@ -428,16 +434,23 @@ def main(args=None) -> int:
         try:
             batch = global_batch(samples[: preset["microbatches"]])
             chosen = args.scenario or [*SCENARIOS, "vision_bound_scaling"]
-            for name in (n for n in SCENARIOS if n in chosen):
-                row, text = run_scenario(name, plan(fits, preset["unit_s"], preset["cap"])[name], preset, batch, out)
-                rows.append(row)
-                texts += text
-                # The actors' costs differ from the in-process calibration (by ~10-30% here): rescale each
-                # stage's fit by measured / predicted, so the later scenarios land nearer their ratio.
-                for stage, n in (("vision", row["vision_depth"]), ("text", row["text_layers"])):
-                    a, b = fits[stage]
-                    c = row[f"{stage}_ms_per_mb"] / 1e3 / (a + b * n)
-                    fits[stage] = (a * c, b * c)
+            trainer = None
+            try:
+                for name in (n for n in SCENARIOS if n in chosen):
+                    row, text, trainer = run_scenario(
+                        name, plan(fits, preset["unit_s"], preset["cap"])[name], preset, batch, out, trainer
+                    )
+                    rows.append(row)
+                    texts += text
+                    # The actors' costs differ from the in-process calibration (by ~10-30% here): rescale each
+                    # stage's fit by measured / predicted, so the later scenarios land nearer their ratio.
+                    for stage, n in (("vision", row["vision_depth"]), ("text", row["text_layers"])):
+                        a, b = fits[stage]
+                        c = row[f"{stage}_ms_per_mb"] / 1e3 / (a + b * n)
+                        fits[stage] = (a * c, b * c)
+            finally:  # the scaling scenario needs the CPUs it held
+                if trainer is not None:
+                    trainer.shutdown()
             if "vision_bound_scaling" in chosen:
                 depth, layers, _ = plan(fits, preset["unit_s"], preset["cap"])["vision_heavy"]
                 costs = (fits["vision"][0] + fits["vision"][1] * depth, fits["text"][0] + fits["text"][1] * layers)

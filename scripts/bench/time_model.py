@@ -107,11 +107,19 @@ def global_batches(sample: dict, cfg: Any, model_config: Any, per_replica: int, 
 
 
 def measure_step(
-    overrides: list[str], ckpt: Path, model_config: Any, sample: dict, microbatches: int, steps: int
-) -> dict[str, Any]:
-    """Median seconds of `steps` optimizer steps after one warm-up, and the config they ran."""
+    overrides: list[str],
+    ckpt: Path,
+    model_config: Any,
+    sample: dict,
+    microbatches: int,
+    steps: int,
+    previous: Any = None,
+) -> tuple[dict[str, Any], Any]:
+    """(median seconds of `steps` optimizer steps after one warm-up and the config they ran, the trainer they ran
+    on): `previous`, the last configuration's trainer, is rebuilt for this one when its pools have the same shape
+    (`trainer_for`); the caller shuts the last one down."""
     from dhp.stages.config import load_config
-    from dhp.stages.trainer import Trainer
+    from dhp.stages.trainer import trainer_for
 
     length = len(sample["input_ids"])
     cfg = load_config(
@@ -127,14 +135,15 @@ def measure_step(
             "pipeline.trace=true",
         ],
     )
-    trainer = Trainer(cfg, model_config=model_config)
+    trainer = trainer_for(cfg, model_config, previous)
     try:
         times, calls = timed_steps(
             trainer, global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp), steps
         )
-    finally:
+    except BaseException:
         trainer.shutdown()
-    return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}
+        raise
+    return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}, trainer
 
 
 def timed_steps(
@@ -181,31 +190,37 @@ def run(
             patches = int(sample["image_grid_thw"].prod())
             w = Workload(patches, len(sample["input_ids"]) - patches // 4)
             microbatches = 2 if quick else 4
-            rows = []
+            rows, trainer = [], None
             chosen = configs or {**CONFIGS, **({} if quick else OVERSUBSCRIBED)}
-            for name, overrides in chosen.items():
-                m = measure_step(overrides, ckpt, model_config, sample, microbatches, steps or (2 if quick else 3))
-                p = predict(prepare(m["cfg"], prof, None, w), model_config, prof, w)
-                rows.append(
-                    {
-                        "config": name,
-                        "overrides": overrides,
-                        "checked": name not in OVERSUBSCRIBED,
-                        "measured_s": m["measured_s"],
-                        "steps_s": m["steps_s"],
-                        "predicted_s": p["step_s"],
-                        "ratio": p["step_s"] / m["measured_s"],
-                        "per_call_s": p["per_call_s"],
-                        "measured_calls_s": m["calls_s"],
-                        "parts_s": p["parts_s"],
-                        "bubble_s": p["bubble_s"],
-                    }
-                )
-                print(
-                    f"{name}: measured {m['measured_s']:.3f} s, predicted {p['step_s']:.3f} s; calls measured "
-                    f"{_ms(m['calls_s'])}, predicted {_ms(p['per_call_s'])}",
-                    flush=True,
-                )
+            try:
+                for name, overrides in chosen.items():
+                    m, trainer = measure_step(
+                        overrides, ckpt, model_config, sample, microbatches, steps or (2 if quick else 3), trainer
+                    )
+                    p = predict(prepare(m["cfg"], prof, None, w), model_config, prof, w)
+                    rows.append(
+                        {
+                            "config": name,
+                            "overrides": overrides,
+                            "checked": name not in OVERSUBSCRIBED,
+                            "measured_s": m["measured_s"],
+                            "steps_s": m["steps_s"],
+                            "predicted_s": p["step_s"],
+                            "ratio": p["step_s"] / m["measured_s"],
+                            "per_call_s": p["per_call_s"],
+                            "measured_calls_s": m["calls_s"],
+                            "parts_s": p["parts_s"],
+                            "bubble_s": p["bubble_s"],
+                        }
+                    )
+                    print(
+                        f"{name}: measured {m['measured_s']:.3f} s, predicted {p['step_s']:.3f} s; calls measured "
+                        f"{_ms(m['calls_s'])}, predicted {_ms(p['per_call_s'])}",
+                        flush=True,
+                    )
+            finally:
+                if trainer is not None:
+                    trainer.shutdown()
             return {
                 "profile": prof.to_dict(),
                 "image_patches": patches,
