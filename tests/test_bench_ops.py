@@ -46,7 +46,7 @@ def test_profile_has_every_field_measured(profile):
     assert {k: eff.pop(k) for k in ("matmul", "attention", "comm")} == {"matmul": 1.0, "attention": 1.0, "comm": 1.0}
     assert set(eff) == {"vision_forward", "vision_backward", "text"}
     assert all(0.05 < v < 5 for v in eff.values()), eff
-    for key in ("zero3_unit_s", "zero3_s_per_byte"):  # [forward, backward], from two stages' equations
+    for key in ("zero3_unit_s", "zero3_s_per_byte"):  # [forward, backward]: per unit (vision), per byte (text)
         assert len(profile[key]) == 2 and all(v >= 0 for v in profile[key]) and sum(profile[key]) > 0, key
     for key in ("zero3_optimizer_s_per_tensor", "zero1_step_s_per_tensor"):
         assert isinstance(profile[key], float) and profile[key] >= 0, key

@@ -13,10 +13,12 @@ whose dispatch costs per tensor. ZeRO-1 (`ZeroRedundancyOptimizer`, the vision p
     zero3_optimizer_s_per_tensor  AdamW on DTensor parameters, seconds per parameter tensor beyond plain AdamW
     zero1_step_s_per_tensor       ZeroRedundancyOptimizer's step, seconds per parameter tensor beyond plain AdamW
 
-The per-unit and per-byte figures solve two equations, one per stage: the vision encoder has many small
-units (blocks, merger, root), the language model few units and a large root (embedding, lm_head); each
-equation is the sharded call's time minus the same call unsharded. Medians over repetitions every rank runs
-in the same number (a collective needs every rank).
+The per-unit figure compares the vision encoder sharded as dhp shards it (blocks, merger, root) with the same
+encoder sharded as one unit: the same bytes move, only the number of units differs. The per-byte figure is
+then what remains of the language model's overhead (few units, a large root: embedding, lm_head), its
+sharded call's time minus the same call unsharded, beyond its units. (Solving one equation per stage for both
+unknowns instead put the per-unit cost at zero whenever the two overheads' noise tipped the solution
+negative.) Medians over repetitions every rank runs in the same number (a collective needs every rank).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
             sample["labels"][None],
         ),
     }
-    overhead, units, nbytes = {}, {}, {}
+    overhead, units, nbytes, sharded = {}, {}, {}, {}
     for stage, cls in (("vision", VisionModel), ("text", TextModel)):
         torch.manual_seed(0)
         model = cls(config).train()
@@ -105,18 +107,18 @@ def measure_sharded(ranks: int, quick: bool) -> dict[str, Any]:
         units[stage] = len(shard_units) + 1  # and the root
         nbytes[stage] = sum(p.numel() * p.element_size() for p in model.parameters())
         apply_zero3(model, shard_units, ranks, torch.device("cpu"))
-        sharded = _calls(stage, model, inputs, reps)
-        overhead[stage] = [max(0.0, z - p) for z, p in zip(sharded, plain)]
+        sharded[stage] = _calls(stage, model, inputs, reps)
+        overhead[stage] = [max(0.0, z - p) for z, p in zip(sharded[stage], plain)]
         if stage == "vision":
             dtensor_step = _step_s(model, 3 * reps)
-    per_unit, per_byte = [], []
+            torch.manual_seed(0)
+            whole = cls(config).train()
+            apply_zero3(whole, [], ranks, torch.device("cpu"))  # the same bytes in one unit: the root
+            one_unit = _calls(stage, whole, inputs, reps)
     (u_v, u_t), (b_v, b_t) = (units["vision"], units["text"]), (nbytes["vision"], nbytes["text"])
-    for i in range(2):  # forward, backward: overhead = units * a + bytes * b, one equation per stage
-        o_v, o_t = overhead["vision"][i], overhead["text"][i]
-        det = u_v * b_t - u_t * b_v
-        a = max(0.0, (o_v * b_t - o_t * b_v) / det)
-        per_unit.append(a)
-        per_byte.append(max(0.0, (o_t - u_t * a) / b_t))
+    # forward, backward: overhead = units * a + bytes * b; a from the vision encoder's two unit counts
+    per_unit = [max(0.0, (many - one) / (u_v - 1)) for many, one in zip(sharded["vision"], one_unit)]
+    per_byte = [max(0.0, (o_t - u_t * a) / b_t) for o_t, a in zip(overhead["text"], per_unit)]
     return {
         "zero3_unit_s": per_unit,
         "zero3_s_per_byte": per_byte,
