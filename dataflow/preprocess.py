@@ -143,7 +143,7 @@ class Preprocessor:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         from dhp.dataflow.tokenizer import load_backend
-        from dhp.models.qwen2_5_vl import rope_positions
+        from dhp.models.family import family_of
 
         self.settings = settings
         self.config = model_config
@@ -156,7 +156,7 @@ class Preprocessor:
             merge_size=vc.spatial_merge_size,
         )
         self.tokenizer = load_backend(settings.tokenizer_path)  # tokenizers' object: what transformers' wraps
-        self.rope_positions = rope_positions
+        self.rope_positions = family_of(model_config).rope_positions  # the model family's mRoPE positions
         self.merge_unit = vc.spatial_merge_size**2
         self.pad_id = self.tokenizer.token_to_id("<|image_pad|>")
         self.video_pad_id = self.tokenizer.token_to_id("<|video_pad|>")

@@ -1,108 +1,18 @@
-"""Named Qwen2.5-VL shapes, so a config can say `model.name: qwen2_5_vl_7b` without a checkpoint.
+"""Named model shapes, so a config can say `model.name: qwen2_5_vl_7b` without a checkpoint.
 
-The published shapes are copied from the Hugging Face `config.json` of each released model; `tiny` is
-ours: the smallest shape that still exercises every code path (window attention and full attention
-blocks, grouped-query attention, 3-D mRoPE, the real 151 k vocabulary of the real tokenizer).
+Each family owns its shapes (models/family/): Qwen2.5-VL's `tiny` and released sizes. The name picks the
+family too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import Qwen2_5_VLConfig
+from dhp.models.family import FAMILIES, family_of_shape
 
-_QWEN_VOCAB = 151936  # >= len(tokenizer) == 151665; the released 3B/7B/32B checkpoints pad further
-
-_VISION_7B_CLASS = dict(  # the ViT is the same 32-block, 1280-wide encoder in every released size
-    depth=32,
-    hidden_size=1280,
-    intermediate_size=3420,
-    num_heads=16,
-    fullatt_block_indexes=[7, 15, 23, 31],
-    window_size=112,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    tokens_per_second=2,
-    hidden_act="silu",
-)
+ARCHITECTURES: dict[str, dict[str, Any]] = {name: arch for f in FAMILIES for name, arch in f.shapes.items()}
 
 
-def _released_text(
-    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tie: bool
-) -> dict[str, Any]:
-    """Text config of a released size: only these numbers differ between 3B, 7B, 32B and 72B."""
-    return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=128000,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie,
-    )
-
-
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        vision=dict(  # the released block structure at toy width: 2 of 4 blocks full-attention
-            _VISION_7B_CLASS,
-            depth=4,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            fullatt_block_indexes=[1, 3],
-            out_hidden_size=64,
-        ),
-        text=dict(
-            vocab_size=_QWEN_VOCAB,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen2_5_vl_3b": dict(
-        vision=dict(_VISION_7B_CLASS, out_hidden_size=2048),
-        text=_released_text(151936, 2048, 11008, layers=36, heads=16, kv_heads=2, tie=True),
-    ),
-    "qwen2_5_vl_7b": dict(
-        vision=dict(_VISION_7B_CLASS, out_hidden_size=3584),
-        text=_released_text(152064, 3584, 18944, layers=28, heads=28, kv_heads=4, tie=False),
-    ),
-    "qwen2_5_vl_32b": dict(
-        vision=dict(_VISION_7B_CLASS, intermediate_size=3456, out_hidden_size=5120),
-        text=_released_text(152064, 5120, 27648, layers=64, heads=40, kv_heads=8, tie=False),
-    ),
-    "qwen2_5_vl_72b": dict(
-        vision=dict(_VISION_7B_CLASS, intermediate_size=3456, out_hidden_size=8192),
-        text=_released_text(152064, 8192, 29568, layers=80, heads=64, kv_heads=8, tie=False),
-    ),
-}
-
-
-def architecture_config(name: str, attn_implementation: str = "sdpa") -> Qwen2_5_VLConfig:
-    """The `Qwen2_5_VLConfig` of a named shape (see ARCHITECTURES)."""
-    if name not in ARCHITECTURES:
-        raise ValueError(f"unknown model.name {name!r}; known: {', '.join(sorted(ARCHITECTURES))}")
-    arch = ARCHITECTURES[name]
-    text = dict(arch["text"])
-    config = Qwen2_5_VLConfig(
-        vision_config=dict(arch["vision"]),
-        text_config=text,
-        tie_word_embeddings=text["tie_word_embeddings"],
-        image_token_id=151655,
-        video_token_id=151656,
-        vision_start_token_id=151652,
-        vision_end_token_id=151653,
-    )
-    config._attn_implementation = attn_implementation
-    return config
+def architecture_config(name: str, attn_implementation: str = "sdpa") -> Any:
+    """The config of a named shape (see ARCHITECTURES), in its family's config class."""
+    return family_of_shape(name).shape_config(name, attn_implementation)

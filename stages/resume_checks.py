@@ -10,15 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import Qwen2_5_VLConfig
-
+from dhp.models.family import load_config
 from dhp.models.weights.export import read_meta
 from dhp.stages.config import ConfigError
 
 
-def check_resumable(
-    ckpt: Path, model_config: Qwen2_5_VLConfig, base: dict[str, Any], partial: list[str]
-) -> dict[str, Any]:
+def check_resumable(ckpt: Path, model_config: Any, base: dict[str, Any], partial: list[str]) -> dict[str, Any]:
     """Refuse a checkpoint this run cannot continue; returns its meta (`models/export.write_meta`).
 
     `base`: where this run's frozen rest comes from (`Trainer._base`); `partial`: the stages of which only a
@@ -70,10 +67,12 @@ def check_positions(ckpt: Path, states: list[dict[str, Any]], files: tuple[int, 
         )
 
 
-def model_mismatch(ckpt: Path, model_config: Qwen2_5_VLConfig) -> str | None:
+def model_mismatch(ckpt: Path, model_config: Any) -> str | None:
     """Which shapes of the checkpoint's model (its config.json) differ from this run's; None if none.
     The layout may differ (resharded on load), the model may not."""
-    saved = Qwen2_5_VLConfig.from_pretrained(ckpt)
+    saved = load_config(ckpt)
+    if type(saved) is not type(model_config):
+        return f"model family {type(saved).__name__} vs {type(model_config).__name__}"
     shape_keys = {  # what decides the shape of some tensor: another value is another model
         "vision_config": (
             "depth",

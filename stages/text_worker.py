@@ -1,7 +1,8 @@
 """The text stage on one actor: tokens + vision embeddings in, loss out, embedding gradient back.
 
-Boundary (receiving side). `vision_embeds` is [N, text_hidden] with N = number of `<|image_pad|>`
-tokens in `input_ids`, rows in the order those tokens appear (batch-major; packed, sample after sample).
+Boundary (receiving side). `vision_embeds` is [N, W] (W: the family's `boundary_width`, stages/boundary.py)
+with N = number of `<|image_pad|>` tokens in `input_ids`, rows in the order those tokens appear (batch-major;
+packed, sample after sample).
 The returned gradient has the same shape and order, so the vision stage can apply it to the tensor it
 produced.
 
@@ -18,9 +19,10 @@ from typing import Any
 
 import torch
 
+from dhp.models.family import family_of
 from dhp.models.lora import add_lora
 from dhp.models.planning.saved_tensors import SavedBytes
-from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
+from dhp.models.qwen2_5_vl import IGNORE_INDEX
 from dhp.stages.boundary import WireTensor, assemble, shard_gradients
 from dhp.stages.stage_worker import StageWorker, recorded
 
@@ -28,8 +30,8 @@ from dhp.stages.stage_worker import StageWorker, recorded
 class TextWorker(StageWorker):
     stage = "text"
 
-    def build_model(self, model_config: Any) -> TextModel:
-        return TextModel(model_config, packed=self.cfg.data.packing)
+    def build_model(self, model_config: Any) -> torch.nn.Module:
+        return family_of(model_config).text_model(model_config, packed=self.cfg.data.packing)
 
     def adapt(self) -> None:
         if self.fine_tuning.lora is not None:  # models/lora.py: this rank's parts of the factors, split as the base
@@ -99,7 +101,8 @@ class TextWorker(StageWorker):
         if shards:
             vision_embeds = assemble(shards, inputs.get("merged_index"))
         else:  # a padding micro-batch with no vision call behind it
-            vision_embeds = torch.zeros(0, self.model_config.text_config.hidden_size, device=self.device)
+            width = family_of(self.model_config).boundary_width(self.model_config)
+            vision_embeds = torch.zeros(0, width, device=self.device)
         with self.autocast():
             return self.model(
                 inputs["input_ids"],

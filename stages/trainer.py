@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from transformers import Qwen2_5_VLConfig
 
 from dhp.dataflow.loader import GlobalBatch, loader_actor
 from dhp.dataflow.positions import files_key, reshard
@@ -24,6 +23,7 @@ from dhp.dataflow.sources import record_format
 from dhp.dataflow.storage import resolve as resolve_storage
 from dhp.dataflow.video import VideoSettings
 from dhp.models.architectures import architecture_config
+from dhp.models.family import load_config as load_model_config
 from dhp.models.fine_tuning import FineTuning
 from dhp.models.parallel.checks import check_layout, replicas
 from dhp.models.parallel.layouts import stage_layout
@@ -48,13 +48,10 @@ from dhp.stages.watchdog import StepClock, StepHung, wait_for_data, wait_or_hang
 SAVE_DEADLINE = 10  # a checkpoint write may take this many step deadlines
 
 
-def model_config_of(cfg: Config) -> Qwen2_5_VLConfig:
+def model_config_of(cfg: Config) -> Any:
+    """The model's config: the checkpoint's (`model.path`, any family's) or the named shape's (`model.name`)."""
     if cfg.model.path:
-        config = Qwen2_5_VLConfig.from_pretrained(cfg.model.path)
-        config._attn_implementation = cfg.model.attn_implementation
-        for sub in (config.vision_config, config.text_config):
-            sub._attn_implementation = cfg.model.attn_implementation
-        return config
+        return load_model_config(cfg.model.path, cfg.model.attn_implementation)
     return architecture_config(cfg.model.name, cfg.model.attn_implementation)
 
 
@@ -96,7 +93,7 @@ class Trainer:
         train_paths: list[str] | None = None,
         eval_paths: list[str] | None = None,
         image_root: str = "",
-        model_config: Qwen2_5_VLConfig | None = None,
+        model_config: Any = None,
         clock: StepClock | None = None,
         wait_s: float = 0.0,
     ):
@@ -189,7 +186,7 @@ class Trainer:
         pool.trains = self.fine_tuning.trains(stage)
         return pool
 
-    def reuse(self, cfg: Config, model_config: Qwen2_5_VLConfig | None = None) -> None:
+    def reuse(self, cfg: Config, model_config: Any = None) -> None:
         """Become a new trainer of `cfg` (step 0) on the actors and process groups this one already has.
 
         Starting a pool costs a process per rank and its torch and transformers imports (about 5 CPU-s each);

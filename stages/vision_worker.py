@@ -1,7 +1,8 @@
 """The vision stage on one actor: pixels in, merged embeddings out, their gradient back in.
 
 Boundary (sending side). `forward` returns the merged vision embeddings of one micro-batch,
-[sum_i t_i*h_i*w_i / 4, text_hidden] in raster order, image after image: exactly the rows the text stage
+[sum_i t_i*h_i*w_i / 4, W] in raster order (W: the family's `boundary_width`, the text hidden size times one plus
+the DeepStack features, stages/boundary.py), image after image: exactly the rows the text stage
 scatters into its `<|image_pad|>` positions. The autograd graph stays here, keyed by micro-batch id,
 until `backward` receives d(loss)/d(embeddings) of the same shape from the text stage.
 """
@@ -13,8 +14,8 @@ from typing import Any
 
 import torch
 
+from dhp.models.family import family_of
 from dhp.models.planning.saved_tensors import SavedBytes
-from dhp.models.qwen2_5_vl import VisionModel
 from dhp.stages.boundary import WireTensor
 from dhp.stages.stage_worker import StageWorker, recorded
 
@@ -22,8 +23,8 @@ from dhp.stages.stage_worker import StageWorker, recorded
 class VisionWorker(StageWorker):
     stage = "vision"
 
-    def build_model(self, model_config: Any) -> VisionModel:
-        return VisionModel(model_config)
+    def build_model(self, model_config: Any) -> torch.nn.Module:
+        return family_of(model_config).vision_model(model_config)
 
     def _placeholder(self) -> dict[str, torch.Tensor]:
         """One 28x28 image of zeros (4 patches, 1 merged token).

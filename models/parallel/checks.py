@@ -53,6 +53,12 @@ def check_layout(cfg: Any, model_config=None) -> None:
             raise ConfigError(why)
     dp_v, dp_t = replicas(cfg, "vision"), replicas(cfg, "text")
     if model_config is not None:
+        from dhp.models.family import family_of
+
+        for stage in ("vision", "text"):  # the model's family says which layouts it has
+            why = family_of(model_config).check_layout(stage, getattr(cfg, stage).parallelism)
+            if why:
+                raise ConfigError(why)
         try:
             for stage in ("vision", "text"):
                 stage_layout(cfg, stage, model_config).check_shape(model_config)

@@ -95,9 +95,16 @@ class VitShape(NamedTuple("VitShape", [(f, int) for f in ("depth", "full", "d", 
     """The ViT dimensions the byte formulas need: depth, full-attention blocks, hidden, heads, MLP, out."""
 
     @classmethod
-    def of(cls, v: dict) -> VitShape:
-        dims = (v[k] for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
-        return cls(v["depth"], len(v["fullatt_block_indexes"]), *dims)
+    def of(cls, vc: Any) -> VitShape:
+        """The shape of a vision config (its family says which blocks attend over whole images), or of a dict of
+        Qwen2.5-VL vision config values (the benchmarks' shapes)."""
+        if isinstance(vc, dict):
+            dims = (vc[k] for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
+            return cls(vc["depth"], len(vc["fullatt_block_indexes"]), *dims)
+        from dhp.models.family import family_of
+
+        dims = (getattr(vc, k) for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
+        return cls(vc.depth, len(family_of(vc).full_attention_blocks(vc)), *dims)
 
     def param_rows(self) -> list[tuple[int, int]]:
         """(dim-0 rows, elements per row) of every ViT parameter: patch embed, blocks, merger."""

@@ -44,6 +44,13 @@ same plan from the same grid_thw and calls the same functions; window sizes are 
 for the Qwen2.5-VL windows); the gradient reaching `gather_merged`'s output is the same on every rank
 (a replicated loss, or the text stage's gradient fanned out). sp == 1 needs no process group.
 
+Families (models/family/): the plan and the forward ask the model's family which blocks attend over whole
+images, and nothing else about the model. Qwen3-VL has no windows: every block is a full block (both
+all-to-alls in each), the plan cuts its raster-ordered patches at the merge-unit edge nearest to r * P / sp
+(window order is raster order, `merged_index` the identity), the learned position embeddings of a rank's own
+patches are added after the patch embed, and each DeepStack block's own merger runs on the shard, its rows
+appended to the merged rows ([S_r / 4, (1 + k) * O]: the boundary's row layout, stages/boundary.py).
+
 Volume per full block per rank, forward: 3 * S_r * D * (sp-1)/sp sent
 for q/k/v plus S_r * D * (sp-1)/sp back, i.e. ~4 * P * D / sp elements per rank and block; the same
 again in backward, and only in len(fullatt_block_indexes) blocks (4 of 32).
@@ -62,6 +69,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
 from dhp.models.activation_checkpointing import maybe_checkpoint
+from dhp.models.family import family_of
 from dhp.models.parallel.layout import NOT_SHARDED, Layout, PoolRanks, VitShape
 from dhp.models.window_attention import segment_attention
 
@@ -109,15 +117,20 @@ def plan_shards(grid_thw: torch.Tensor, sp: int, config) -> ShardPlan:
     `config` is a `Qwen2_5_VLConfig` or its `vision_config`. Cheap: integer work on grid_thw only.
     """
     vc = getattr(config, "vision_config", config)
+    windowed = family_of(vc).windowed(vc)
     check_sp_degree(vc.num_heads, sp)
     grid_thw = grid_thw.detach().to("cpu", torch.long).reshape(-1, 3)
     unit = vc.spatial_merge_size**2
     num_patches = int(grid_thw.prod(-1).sum())
     window_index, cu_windows = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32)
     cu_seqlens = cu_windows
-    if num_patches:
+    if num_patches and windowed:
         merge, window, patch = vc.spatial_merge_size, vc.window_size, vc.patch_size
         window_index, cu_windows = get_vision_window_index(grid_thw, merge, window, patch)
+        cu_seqlens = get_vision_cu_seqlens(grid_thw).to(torch.int32)
+    elif num_patches:  # no windows (every block attends over whole images): raster order, cut at any merge unit
+        window_index = torch.arange(num_patches // unit)
+        cu_windows = torch.arange(0, num_patches + 1, unit, dtype=torch.int32)
         cu_seqlens = get_vision_cu_seqlens(grid_thw).to(torch.int32)
     order = (window_index[:, None] * unit + torch.arange(unit)).reshape(-1)  # patches in window order
     edges = cu_windows.long()
@@ -196,9 +209,10 @@ def sp_vision_forward(
     s = plan.lengths[rank]
     if pixel_shard.shape[0] != s:
         raise ValueError(f"rank {rank} owns {s} patches but got {pixel_shard.shape[0]} pixel rows")
-    merger = visual.merger
+    family = family_of(cfg)
+    merger, deepstack = visual.merger, family.deepstack_indexes(cfg)
     if plan.num_patches == 0:  # same on every rank (same plan): nobody joins anything
-        return pixel_shard.new_zeros(0, cfg.out_hidden_size)
+        return pixel_shard.new_zeros(0, cfg.out_hidden_size * (1 + len(deepstack)))
     pe = visual.patch_embed
     pixel_shard = pixel_shard.to(pe.proj.weight.dtype)
     if s:
@@ -207,21 +221,25 @@ def sp_vision_forward(
         x = pe.proj(pixel_shard.view(0, pe.in_channels, pe.temporal_patch_size, pe.patch_size, pe.patch_size))
         x = x.view(0, pe.embed_dim)
     index = plan.patch_index[rank].to(x.device)
+    x = family.add_position_embeds(visual, x, grid_thw.to(x.device), index)  # learned ones, where the family has
     positions = get_vision_position_ids(grid_thw.to(x.device), visual.spatial_merge_size)[index]
     rope = visual.rotary_pos_emb(x, positions)
     ulysses = _Ulysses(plan, rank, group) if plan.sp > 1 else None  # sp == 1: the plain forward, no group
     cu_windows, cu_full = plan.cu_window_seqlens[rank], plan.cu_seqlens
+    all_to_all = set(family.full_attention_blocks(cfg))  # the blocks attending over whole images
+    features = []  # DeepStack: this shard's rows of each deepstack block's own merger
     for i, blk in enumerate(visual.blocks):
-        full = i in visual.fullatt_block_indexes
+        full = i in all_to_all
 
         def block(x: torch.Tensor, blk: nn.Module = blk, full: bool = full) -> torch.Tensor:
             x = x + _attention(blk.attn, blk.norm1(x), rope, cu_full if full else cu_windows, ulysses if full else None)
             return x + blk.mlp(blk.norm2(x))
 
         x = maybe_checkpoint(blk, block, x)  # recomputed (its all-to-alls too) in backward if chosen
-    if s:
-        return merger(x)
-    return merger.mlp(merger.ln_q(x).view(0, merger.hidden_size))
+        if i in deepstack:
+            features.append(family.merge(family.deepstack_mergers(visual)[deepstack.index(i)], x))
+    merged = family.merge(merger, x)
+    return torch.cat([merged, *features], dim=-1) if features else merged
 
 
 class _GatherShards(torch.autograd.Function):

@@ -27,6 +27,10 @@ only this rank's vocab share of their gradient. With it, norm weights and `visio
 gradient, bit-identical on every rank (one all-reduce result), so replicated weights stay replicated.
 The sequence of collectives depends only on shapes that all TP ranks share (they see the same sample).
 
+Per-head norms (Qwen3's q_norm / k_norm, the family's `text_head_norms`): one [head_dim] weight applied to
+every head, replicated on each rank, whose gradient on a rank covers only that rank's heads, so
+`sum_partial_grads` sums it over the TP group once per step, as it does replicated KV heads.
+
 KV heads. tp must divide num_attention_heads, intermediate_size and vocab_size (no vocab padding: every
 released Qwen2.5-VL vocabulary divides by 8; a ValueError names the valid degrees). If tp divides
 num_key_value_heads, each rank holds kv_heads/tp of them. If instead num_key_value_heads divides tp, KV
@@ -57,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from dhp.models.family import family_of
 from dhp.models.parallel.layout import Layout, PoolRanks
 from dhp.models.parallel.tensor_parts import gather_sliced, shard_sliced
 from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel
@@ -196,7 +201,7 @@ def tp_slice(name: str, rank: int, tp: int, config) -> tuple[slice, ...] | None:
         return (split, slice(None)) if lora.group(2) == "B" else (slice(None), split)
     c = _text_config(config)
     check_tp_degree(tp, c)
-    head_dim = c.hidden_size // c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen3: its own
     q_cols = c.num_attention_heads // tp * head_dim
     inter = c.intermediate_size // tp
     if name in _VOCAB:
@@ -295,6 +300,7 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
         raise ValueError("row-parallel layers with a bias are not supported")
     kv_first, kv_local = _kv_heads(rank, tp, c)
     kv_replicated = c.num_key_value_heads < tp
+    head_norms = family_of(c).text_head_norms  # one weight applied to every head: each rank sees only its heads
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied lm_head.weight is the embedding: sliced once
             idx = tp_slice(name, rank, tp, c)
@@ -320,6 +326,9 @@ def apply_tensor_parallel(model: TextModel, group: dist.ProcessGroup) -> None:
         if kv_replicated:  # each rank's k/v gradient covers only its own q heads: summed over the head's holders
             for p in (*attn.k_proj.parameters(), *attn.v_proj.parameters()):
                 p._dhp_partial = (kv_first, c.num_key_value_heads, group)  # once per step: sum_partial_grads
+        for norm in head_norms:  # replicated, but its gradient is this rank's heads' share: summed over all ranks
+            for p in getattr(attn, norm).parameters():
+                p._dhp_partial = (0, 1, group)
     old = lm.embed_tokens
     lm.embed_tokens = VocabParallelEmbedding(old.weight, rank * (c.vocab_size // tp), old.padding_idx, group)
     model.lm_head.register_forward_pre_hook(copy, with_kwargs=True)

@@ -41,28 +41,30 @@ for qkv it returns a *list* of three slice tuples whose parts are concatenated a
 sharded tensor gets one slice tuple. `read_part(source, idx)` reads either form from a tensor or a
 safetensors slice; `shard_vision_state_dict_for_rank` / `gather_full_vision_state_dict` apply it.
 Requires tp to divide H, I and M*D (`check_vision_tp_degree`).
+
+Families (models/family/): which Linear is the fused qkv, column- or row-parallel and of which width is the
+family's `vision_tp_role`; the Linear closing a block's MLP and the (column, row) pair of each merger are its
+`vision_mlp_out` and `vision_merger_linears`. Qwen3-VL: a plain MLP (linear_fc1 column, linear_fc2 row), and
+its DeepStack mergers split like the merger (their post-shuffle LayerNorm replicated, in front of the copy),
+each closing with one more all-reduce of [S/M, O] forward and one of [S/M, M*D] backward.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from dhp.models.family import family_of
 from dhp.models.parallel.layout import PoolRanks, VitShape
 from dhp.models.parallel.tensor_parallel import TensorParallel, copy_hook, reduce_from_region
 from dhp.models.parallel.tensor_parts import gather_sliced, read_part, shard_sliced
 from dhp.models.qwen2_5_vl import VisionModel
 
 Index = tuple[slice, ...] | list[tuple[slice, ...]]
-
-_QKV = re.compile(r"\.attn\.qkv\.(weight|bias)$")
-_COLUMN = re.compile(r"\.(mlp\.(gate|up)_proj|merger\.mlp\.0)\.(weight|bias)$")
-_ROW = re.compile(r"\.(attn\.proj|mlp\.down_proj|merger\.mlp\.2)\.weight$")
 
 
 def _vision_config(config):
@@ -95,22 +97,19 @@ def vision_tp_slice(name: str, rank: int, tp: int, vision_config) -> Index | Non
     """
     c = _vision_config(vision_config)
     check_vision_tp_degree(tp, c)
-    m = _QKV.search(name)
-    if m:
-        width = c.hidden_size // tp
-        rows = [slice(k * c.hidden_size + rank * width, k * c.hidden_size + (rank + 1) * width) for k in range(3)]
-        return [(s,) if m.group(1) == "bias" else (s, slice(None)) for s in rows]
-    m = _COLUMN.search(name)
-    if m:
-        width = (c.intermediate_size if m.group(2) else _merger_width(c)) // tp
+    role = family_of(c).vision_tp_role(name)  # the family's plan: which Linear is split how
+    if role is None:
+        return None
+    kind, of, bias = role
+    full = {"hidden": c.hidden_size, "mlp": c.intermediate_size, "merger": _merger_width(c)}[of]
+    width = full // tp
+    if kind == "qkv":
+        rows = [slice(k * full + rank * width, k * full + (rank + 1) * width) for k in range(3)]
+        return [(s,) if bias else (s, slice(None)) for s in rows]
+    if kind == "column":
         rows = slice(rank * width, (rank + 1) * width)
-        return (rows,) if m.group(3) == "bias" else (rows, slice(None))
-    m = _ROW.search(name)
-    if m:
-        full = {"attn.proj": c.hidden_size, "mlp.down_proj": c.intermediate_size}.get(m.group(1), _merger_width(c))
-        width = full // tp
-        return slice(None), slice(rank * width, (rank + 1) * width)
-    return None
+        return (rows,) if bias else (rows, slice(None))
+    return slice(None), slice(rank * width, (rank + 1) * width)
 
 
 def shard_vision_state_dict_for_rank(
@@ -155,14 +154,17 @@ def apply_vision_tensor_parallel(model: VisionModel, group: dist.ProcessGroup) -
             module.out_features, module.in_features = module.weight.shape
 
     copy = functools.partial(copy_hook, group)
-    row_parallel = [visual.merger.mlp[2]]
+    family = family_of(c)
+    mergers = family.vision_merger_linears(visual)  # (column Linear, row Linear) of each merger
+    row_parallel = [out for _, out in mergers]
     for block in visual.blocks:
         block.attn.num_heads = c.num_heads // tp  # head_dim and scaling stay those of the full model
         block.mlp.intermediate_size = c.intermediate_size // tp
         block.attn.register_forward_pre_hook(copy, with_kwargs=True)
         block.mlp.register_forward_pre_hook(copy, with_kwargs=True)
-        row_parallel += [block.attn.proj, block.mlp.down_proj]
-    visual.merger.mlp[0].register_forward_pre_hook(copy, with_kwargs=True)
+        row_parallel += [block.attn.proj, family.vision_mlp_out(block.mlp)]
+    for column, _ in mergers:
+        column.register_forward_pre_hook(copy, with_kwargs=True)
     for linear in row_parallel:
         linear.forward = functools.partial(_row_parallel_forward, linear, group)
     model.tp_group, model.tp_rank, model.tp_size = group, rank, tp

@@ -45,11 +45,22 @@ def _vision_dims(vc: Any) -> tuple[int, int, int, int]:
 
 
 def vision_linear_flops_per_patch(vc: Any) -> float:
-    """Forward FLOPs per patch that do not depend on image size: patch embed, blocks' matmuls, merger."""
+    """Forward FLOPs per patch that do not depend on image size: patch embed, blocks' matmuls, mergers (the
+    merger and any DeepStack mergers, all of one shape)."""
+    from dhp.models.family import family_of
+
+    family = family_of(vc)
     h, inter, m, depth = _vision_dims(vc)
     embed = 2 * vc.in_channels * vc.temporal_patch_size * vc.patch_size**2 * h
-    block = 2 * (4 * h * h + 3 * h * inter)  # qkv (3h) + proj (h) + gate/up/down
-    return embed + depth * block + merger_flops_per_patch(vc)
+    block = 2 * (4 * h * h + family.vision_mlp_linears * h * inter)  # qkv (3h) + proj (h) + the MLP's Linears
+    mergers = 1 + len(family.deepstack_indexes(vc))
+    return embed + depth * block + mergers * merger_flops_per_patch(vc)
+
+
+def _full_blocks(vc: Any) -> int:
+    from dhp.models.family import family_of
+
+    return len(family_of(vc).full_attention_blocks(vc))
 
 
 def merger_flops_per_patch(vc: Any) -> float:
@@ -72,12 +83,12 @@ def window_lengths(vc: Any, t: int, gh: int, gw: int) -> list[int]:
 def vision_forward_flops(vc: Any, grids: Iterable[tuple[int, int, int]]) -> float:
     """Forward FLOPs of the vision encoder on images with these (t, h, w) patch grids."""
     h, _, _, depth = _vision_dims(vc)
-    full = len(vc.fullatt_block_indexes)
+    full = _full_blocks(vc)
     total = 0.0
     for t, gh, gw in grids:
         patches = t * gh * gw
         sq_full = t * (gh * gw) ** 2  # full-attention blocks attend within each frame
-        sq_window = sum(n * n for n in window_lengths(vc, t, gh, gw))
+        sq_window = sum(n * n for n in window_lengths(vc, t, gh, gw)) if full < depth else 0
         total += patches * vision_linear_flops_per_patch(vc)
         total += 4 * h * (full * sq_full + (depth - full) * sq_window)
     return total
@@ -92,8 +103,10 @@ def vision_forward_flops_estimate(vc: Any, patches: int, images: int) -> float:
     if images <= 0 or patches <= 0:
         return 0.0
     h, _, m, depth = _vision_dims(vc)
-    full = len(vc.fullatt_block_indexes)
+    full = _full_blocks(vc)
     p = patches / images
+    if full == depth:  # no window blocks
+        return patches * vision_linear_flops_per_patch(vc) + 4 * h * images * depth * p * p
     side = math.sqrt(p) / m  # in merge units
     ws = vc.window_size // m // vc.patch_size
     n_whole = math.floor(side / ws)

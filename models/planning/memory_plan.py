@@ -71,10 +71,11 @@ class RankPlan:
 
 
 def meta_stage(model_config: Any, stage: str) -> torch.nn.Module:
-    from dhp.models.qwen2_5_vl import TextModel, VisionModel
+    from dhp.models.family import family_of
 
+    family = family_of(model_config)
     with torch.device("meta"):
-        return (TextModel if stage == "text" else VisionModel)(model_config)
+        return family.text_model(model_config) if stage == "text" else family.vision_model(model_config)
 
 
 def full_shapes(model_config: Any, stage: str, module: torch.nn.Module | None = None) -> dict[str, tuple[int, ...]]:
@@ -236,7 +237,7 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
     ac = ActivationCheckpointing.of(s)
     ft = FineTuning(cfg)
     if stage == "vision":
-        shape = VitShape.of(model_config.vision_config.to_dict())
+        shape = VitShape.of(model_config.vision_config)
         block = layout.vit_activation_bytes(shape, size, b) / shape.depth  # one block, and then some
         if not ft.groups["merger"].trains:  # a frozen ViT runs under no_grad
             return 0.0, block

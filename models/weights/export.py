@@ -1,13 +1,13 @@
 """`dhp export-hf`: a dhp checkpoint (one safetensors file per rank, any layout) -> a Hugging Face dir, streamed.
 
-A dhp checkpoint directory holds `{stage}-rank{rank:05d}.safetensors` (each rank's local tensors under
-module names: slices under tensor parallelism, rows under ZeRO-3, full copies otherwise), `config.json`
-(the model's `Qwen2_5_VLConfig`) and `dhp_checkpoint.json` (each stage's layout). Export opens only the
-ranks that make one copy of each stage (`layout.state_ranks`), plans the output from their headers (full
-shapes by gathering meta tensors), then assembles one full tensor at a time: each rank's part is read (plain
-file reads, no memory map) into its place in the output tensor, found by the layout's own `slicer` (the
-index a rank's part has in the full tensor, as the workers use it to load). A part that is a contiguous block
-of the output (ZeRO-3 rows, vocab-parallel rows, column-parallel rows, a fused qkv's blocks) is read straight
+A dhp checkpoint directory holds `{stage}-rank{rank:05d}.safetensors` (each rank's local tensors under module
+names: slices under tensor parallelism, rows under ZeRO-3, full copies otherwise), `config.json` (the model's
+config, which names its family: models/family/) and `dhp_checkpoint.json` (each stage's layout). Export opens
+only the ranks that make one copy of each stage (`layout.state_ranks`), plans the output from their headers
+(full shapes by gathering meta tensors), then assembles one full tensor at a time: each rank's part is read
+(plain file reads, no memory map) into its place in the output tensor, found by the layout's own `slicer` (the
+index a rank's part has in the full tensor, as the workers use it to load). A part that is a contiguous block of
+the output (ZeRO-3 rows, vocab-parallel rows, column-parallel rows, a fused qkv's blocks) is read straight
 into it; a strided one (row-parallel columns) a few rows at a time (`hf_writer.CHUNK_BYTES`).
 The tensor is renamed as transformers does and written into `output.max_shard_size` shards
 (models/weights/hf_writer.py), so `from_pretrained(out)` loads it. Peak memory: the largest tensor plus 16 MiB
@@ -21,17 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLConfig
 
+from dhp.models.family import family_of, load_config
 from dhp.models.lora import is_lora_factor
 from dhp.models.parallel.layouts import make_layout
 from dhp.models.parallel.tensor_parts import part_blocks
-from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.models.weights.hf_checkpoint import checkpoint_index
 from dhp.models.weights.hf_writer import DEFAULT_MAX_SHARD_SIZE, Entry, SafetensorsReader, write_shards
 
 META = "dhp_checkpoint.json"
-HF_NAME = {"vision": VisionModel.hf_name, "text": TextModel.hf_name}
 
 
 def write_meta(ckpt_dir: Path, layout: dict[str, dict[str, Any]], step: int, model_config, **extra: Any) -> None:
@@ -64,7 +62,7 @@ def export_hf(
     meta = read_meta(ckpt_dir)
     lora = meta.get("lora")
     from_base: dict[str, tuple[SafetensorsReader, str]] = {}  # hf name -> (base file, stored name)
-    config = Qwen2_5_VLConfig.from_pretrained(ckpt_dir)
+    config = load_config(ckpt_dir)
     entries: list[Entry] = []
     factors: dict[str, Entry] = {}  # LoRA factors by HF name
     sources: dict[str, tuple[Any, list[int], list[SafetensorsReader], str]] = {}  # hf name -> where its parts are
@@ -80,7 +78,7 @@ def export_hf(
             handles = [SafetensorsReader(f) for f in files]
             readers += handles
             for name in sorted(handles[0].keys()):
-                hf = HF_NAME[stage](name)
+                hf = family_of(config).stage_module_class(stage).hf_name(name)
                 if stage == "text" and config.tie_word_embeddings and hf == "lm_head.weight":
                     continue  # stored once, under the embedding
                 metas = [
@@ -135,7 +133,7 @@ def _base_entries(
             f"(model.init_seed={base.get('init_seed')}), which export cannot read: export the run's final model "
             f"(RUN_DIR/checkpoint) instead, or train from a saved base (model.path)"
         )
-    prefixes = (VisionModel if stage == "vision" else TextModel).checkpoint_prefixes
+    prefixes = family_of(config).stage_module_class(stage).checkpoint_prefixes
     opened: dict[Path, SafetensorsReader] = {}
     for hf, (file, stored) in sorted(checkpoint_index(base["path"]).items()):
         if not hf.startswith(prefixes) or hf in sources or hf in from_base:
