@@ -1,7 +1,7 @@
 """Named model shapes, so a config can say `model.name: qwen2_5_vl_7b` without a checkpoint.
 
-Each family owns its shapes (models/family/): Qwen2.5-VL's `tiny` and released sizes. The name picks the
-family too.
+Each family owns its shapes (models/family/): Qwen2.5-VL's `tiny` and released sizes, Qwen3-VL's
+`qwen3_vl_tiny`. The name picks the family too.
 """
 
 from __future__ import annotations

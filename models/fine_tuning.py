@@ -55,9 +55,13 @@ class ModuleGroup:
     weight_decay: float
 
 
+# The vision-language mergers: the merger, and Qwen3-VL's DeepStack mergers (tuned with it, as `tune_mm_mlp`)
+_MERGERS = ("visual.merger.", "visual.deepstack_merger_list.")
+
+
 def module_of(name: str) -> str:
     """The module a parameter belongs to, by its name in a stage module or in the whole transformers model."""
-    if name.startswith("visual.merger.") or ".visual.merger." in name:
+    if any(name.startswith(m) or f".{m}" in name for m in _MERGERS):
         return "merger"
     if name.startswith("visual.") or ".visual." in name:
         return "vision_blocks"

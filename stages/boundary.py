@@ -4,12 +4,18 @@ Vision output layout (per data-parallel replica): `k` shards, one per vision ran
 sequence-parallel degree; 1 without SP, and 1 under vision tensor parallelism, where every TP rank ends
 with the same full merged sequence: rank 0's crosses, and its gradient is sent back to every TP rank,
 since the row-parallel merger's adjoint needs the full output gradient on each). Shard j is a tensor
-[n_j, D] of merged vision tokens (D = text hidden size) in the dtype the merger computed it in (fp32; bf16
+[n_j, W] of merged vision tokens, one row per token, in the dtype the merger computed it in (fp32; bf16
 under autocast or pure bf16: the text stage casts it to its embeddings' dtype, and its gradient comes back
 in the same dtype, the rounding the vision stage would apply anyway); concatenated in rank order they are
 the replica's merged tokens in *window order*.
 
-Text input layout: the full merged sequence [N, D], N = sum_j n_j = number of `<|image_pad|>` tokens of
+Row width W is the model family's `boundary_width` (models/family/): D, the text hidden size, for Qwen2.5-VL;
+(1 + k) x D for Qwen3-VL with k DeepStack blocks: row i holds the merged embedding of token i, then its k
+DeepStack features (models/qwen3_vl.py). Every step below moves whole rows, so each text rank receives the
+embeddings and the DeepStack features of its own positions, and their gradients (same width) go back to the
+vision rank that produced them, with nothing else to route.
+
+Text input layout: the full merged sequence [N, W], N = sum_j n_j = number of `<|image_pad|>` tokens of
 the micro-batch, in *raster order* (image after image, row-major inside an image), replicated on every
 tensor-parallel rank of the replica (M:N: each of the M text ranks receives all k shards).
 
@@ -40,7 +46,7 @@ How they travel is `pipeline.boundary`, one `Transport` object the workers and p
             `gradient(mb_id, j)` call each instead of as extra returns of `forward_backward`.
 
 Preconditions: shards arrive in vision-rank order; `merged_index` is a permutation of range(N) computed
-by the loader from the same plan that cut the pixels; D matches the text hidden size.
+by the loader from the same plan that cut the pixels; W is the text stage's `boundary_width`.
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ def from_wire(w: WireTensor, device: torch.device | str = "cpu") -> torch.Tensor
 
 
 def assemble(shards: list[torch.Tensor], merged_index: torch.Tensor | None) -> torch.Tensor:
-    """Differentiable: k window-ordered shards [n_j, D] -> [N, D] in raster order."""
+    """Differentiable: k window-ordered shards [n_j, W] -> [N, W] in raster order."""
     flat = torch.cat(shards) if len(shards) > 1 else shards[0]
     if merged_index is None:
         return flat

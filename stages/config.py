@@ -28,7 +28,8 @@ CHECKPOINT_ERROR_STOPS = {"continue": False, "stop": True}
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"  # built-in shape: tiny | qwen2_5_vl_3b | qwen2_5_vl_7b | qwen2_5_vl_32b | qwen2_5_vl_72b
+    # built-in shape, which picks the model family: tiny | qwen2_5_vl_3b | qwen2_5_vl_7b | qwen2_5_vl_32b |
+    name: str = "tiny"  # qwen2_5_vl_72b (Qwen2.5-VL) | qwen3_vl_tiny (Qwen3-VL)
     path: str | None = None  # local HF checkpoint dir (config.json + *.safetensors); overrides `name`
     init_seed: int = 0  # seed of the random init when no `path` is given
     # exact: the single-process build's values in every layout (replayed on the CPU, the whole stage per rank);

@@ -191,16 +191,16 @@ def write_parity_data(root: Path, size_a: tuple[int, int]) -> Path:
     return root
 
 
-def preprocessed_parity_setup(tmp_path_factory, data: Path, max_pixels: int):
-    """A seeded tiny Qwen2.5-VL saved as an HF checkpoint, and the samples of `data` preprocessed."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+def preprocessed_parity_setup(tmp_path_factory, data: Path, max_pixels: int, model_name: str = "tiny"):
+    """A seeded model of the named shape (its family's transformers class; default Qwen2.5-VL's `tiny`) saved as
+    an HF checkpoint, and the samples of `data` preprocessed for it."""
     from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
     from dhp.models.architectures import architecture_config
+    from dhp.models.family import family_of
 
     torch.manual_seed(1234)
-    model_config = architecture_config("tiny")
-    ref = Qwen2_5_VLForConditionalGeneration(model_config).float().train()
+    model_config = architecture_config(model_name)
+    ref = family_of(model_config).hf_class(model_config).float().train()
     ckpt = tmp_path_factory.mktemp("ckpt")
     ref.save_pretrained(ckpt)
     settings = PreprocessSettings(str(data), min_pixels=56 * 56, max_pixels=max_pixels, max_seq_len=1024)
@@ -225,6 +225,21 @@ def parity_data(tmp_path_factory) -> Path:
 def parity_setup(tmp_path_factory, parity_data):
     """The tiny model and the layouts' parity samples (`parity_data`)."""
     return preprocessed_parity_setup(tmp_path_factory, parity_data, max_pixels=448 * 448)
+
+
+@pytest.fixture(scope="session")
+def qwen3_parity_setup(tmp_path_factory, parity_data):
+    """The tiny Qwen3-VL (DeepStack on) and the layouts' parity samples, cut into its 16 px patches: image a is
+    26 x 30 patches, image b 6 x 4 (the same images as `parity_setup`'s)."""
+    return preprocessed_parity_setup(tmp_path_factory, parity_data, max_pixels=448 * 448, model_name="qwen3_vl_tiny")
+
+
+@pytest.fixture(scope="session")
+def small_qwen3_parity_setup(tmp_path_factory):
+    """The tiny Qwen3-VL and samples whose image a is 6 x 10 patches of 16 px: one-process checks of its stages,
+    where the reference's full-vocabulary logits over a short batch keep them quick."""
+    data = write_parity_data(tmp_path_factory.mktemp("small_qwen3_parity_data"), (150, 100))
+    return preprocessed_parity_setup(tmp_path_factory, data, max_pixels=224 * 224, model_name="qwen3_vl_tiny")
 
 
 @pytest.fixture(scope="session")

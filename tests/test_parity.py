@@ -25,6 +25,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
 from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
 from dhp.models.architectures import architecture_config
+from dhp.models.family import family_of
 from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
 from dhp.stages.config import load_config
@@ -61,11 +62,11 @@ def collect(trainer: Trainer, grads: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-def _microbatch(chosen: list[dict], cfg) -> MicroBatch:
+def _microbatch(chosen: list[dict], cfg, model_config=None) -> MicroBatch:
     vision, text = vision_inputs(chosen), text_inputs(chosen, pad_id=151643)
     meta = meta_of(vision, text)
     sp = cfg.vision.degree if cfg.vision.parallelism == "sequence" else 0
-    parts = split_for_ranks(vision, text, sp, architecture_config("tiny"))  # what the loader sends
+    parts = split_for_ranks(vision, text, sp, model_config or architecture_config("tiny"))  # what the loader sends
     return MicroBatch([ray.put(p) for p in parts], ray.put(text), meta)
 
 
@@ -182,6 +183,41 @@ def test_steps_match_transformers(parity_setup, plan_sample, trainers, tmp_path,
     check_parity(parity_setup, tmp_path, layout, replicas, probe, trainers=trainers)
 
 
+# Qwen3-VL (DeepStack on): the layouts its family has (models/family/qwen3_vl.py), micro-batches with two images
+# and a text-only sample together; vision tensor parallelism with the DeepStack mergers split as the merger;
+# sequence parallelism with an all-to-all in every block (sp4: the 6 x 4-patch image cut into pieces of one or
+# two merge units); fan-out: one SP-2 vision replica serving two TP-2 text replicas.
+QWEN3_LAYOUTS = [
+    pytest.param([], [[[0, 2], [1]]], id="1v1t"),
+    pytest.param(SP2 + TP2, [[[0, 2], [1]]], id="sp2-tp2"),
+    pytest.param(
+        ["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2, [[[0, 2], [1]]], id="tp2-tp2"
+    ),
+    pytest.param(
+        ["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2, [[[0], [1, 2]]], id="sp4-tp2"
+    ),
+    pytest.param(SP2 + TP2 + AC_FULL, [[[0, 2], [1]]], id="sp2-tp2-ac"),
+    pytest.param(
+        ["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"],
+        [[[0], [2]], [[1]]],
+        id="zero3-zero3",
+    ),
+    pytest.param(
+        SP2 + ["text.parallelism=tensor", "text.num_actors=4", "text.degree=2"],
+        [[[0], [2]], [[1]]],
+        id="fanout-sp2-2xtp2",
+    ),
+]
+
+
+@pytest.mark.parametrize(("layout", "replicas"), by_pool_shape(QWEN3_LAYOUTS))
+def test_qwen3_vl_steps_match_transformers(qwen3_parity_setup, trainers, tmp_path, layout, replicas):
+    """Qwen3-VL's parity with `Qwen3VLForConditionalGeneration`: the boundary carries the merged embeddings and the
+    DeepStack features of each text rank's positions, their gradients come back; the export loads in transformers."""
+    params = check_parity(qwen3_parity_setup, tmp_path, layout, replicas, trainers=trainers)
+    assert any("deepstack_merger_list" in n for n in params)
+
+
 def hf_name(name: str) -> str:
     """A reference parameter's name as dhp's export names it: peft's wrapping (`base_model.model.` prefix, the
     base layer, the adapter name) taken off."""
@@ -224,7 +260,7 @@ def check_parity(
         + layout,
     )
     batches = [
-        GlobalBatch([_microbatch([samples[i] for i in group], cfg) for group in replica], epoch=0)
+        GlobalBatch([_microbatch([samples[i] for i in group], cfg, ref.config) for group in replica], epoch=0)
         for replica in replicas
     ]
 
@@ -276,7 +312,7 @@ def check_parity(
         # The exported checkpoint is a Hugging Face directory that transformers loads as is.
         out = tmp_path / "export"
         trainer.save_weights(out)
-        loaded = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
+        loaded = family_of(trainer.model_config).hf_class.from_pretrained(out)
         assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
         merged = merged_lora(params, cfg)
         for name, p in loaded.named_parameters():
@@ -460,18 +496,21 @@ def test_pipelined_order_trains_like_serial(parity_setup, trainers):
     assert any((serial[n] != initial[n]).any() for n in serial if n in initial)  # it did train
 
 
-@pytest.mark.parametrize("layout", [SP2 + TP2], ids=["sp2-tp2"])
-def test_export_hf_matches_dhp_model(parity_setup, trainers, tmp_path, layout):
-    """Per-rank dhp checkpoint -> `dhp export-hf` -> transformers: same tensors, same loss on a test batch."""
+@pytest.mark.parametrize(
+    ("setup", "layout"), [("parity_setup", SP2 + TP2), ("qwen3_parity_setup", SP2 + TP2)], ids=["sp2-tp2", "qwen3"]
+)
+def test_export_hf_matches_dhp_model(request, trainers, tmp_path, setup, layout):
+    """Per-rank dhp checkpoint -> `dhp export-hf` -> transformers: same tensors, same loss on a test batch; for each
+    model family, from its released-name checkpoint."""
     from dhp.models.qwen2_5_vl import count_label_tokens
     from dhp.stages.cli import main
 
-    _, ckpt, samples = parity_setup
+    ref, ckpt, samples = request.getfixturevalue(setup)
     cfg = load_config(
         "tiny", layout + RESOURCES + [f"model.path={ckpt}", "training.steps=2", "training.warmup_steps=0"]
     )
     with trainers.use(cfg) as trainer:
-        batches = [GlobalBatch([_microbatch(samples[:2], cfg)], epoch=0)]
+        batches = [GlobalBatch([_microbatch(samples[:2], cfg, ref.config)], epoch=0)]
         trainer.train_step(batches)  # move the weights away from the checkpoint they were loaded from
         dhp_ckpt = trainer.save_checkpoint(tmp_path / "checkpoints", batches)
         mb = batches[0].microbatches[0]
@@ -485,7 +524,7 @@ def test_export_hf_matches_dhp_model(parity_setup, trainers, tmp_path, layout):
     out = ["--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"]
     assert main(["export-hf", "--checkpoint", str(dhp_ckpt), *out]) == 0
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2  # from_pretrained reads them all
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf").float().eval()
+    hf = type(ref).from_pretrained(tmp_path / "hf").float().eval()
     for name, p in hf.named_parameters():
         assert torch.equal(p.detach(), params[name]), name
     v, t = vision_inputs(samples[:2]), text_inputs(samples[:2], pad_id=151643)

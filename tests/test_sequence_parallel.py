@@ -2,7 +2,9 @@
 
 Distributed cases run on gloo groups of 2 and 4 spawned ranks; the reference (same weights, fp32) runs
 in the test process. Each rank gets its own pixel rows only (the others are NaN in the tensor it slices),
-some ranks hold no patch at all, and every rank must make the same collectives.
+some ranks hold no patch at all, and every rank must make the same collectives. The same ranks then check
+Qwen3-VL's encoder (no windows: the all-to-all in every block; learned position embeddings; the DeepStack
+mergers' rows beside the merged ones).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.multiprocessing as mp
 from transformers.vision_utils import get_vision_window_index
 
 from dhp.models.architectures import architecture_config
+from dhp.models.family import family_of
 from dhp.models.parallel import sequence_parallel as sp_mod
 from dhp.models.parallel.sequence_parallel import check_sp_degree, gather_merged, plan_shards, sp_vision_forward
 from dhp.models.qwen2_5_vl import VisionModel
@@ -31,13 +34,19 @@ CASES = {
     "video_frames": [[2, 8, 12]],  # two frames: full attention is per frame
 }
 EMPTY_RANKS = {("one_small_image", 2), ("one_small_image", 4), ("two_small_images", 4)}  # (case, world)
+# Qwen3-VL: no windows, so cuts fall at any merge unit; an image of one merge unit leaves sp - 1 ranks empty
+QWEN3_CASES = {"main": MAIN, "one_unit": [[1, 2, 2]], "video_frames": [[2, 8, 12]]}
+QWEN3_EMPTY_RANKS = {("one_unit", 2), ("one_unit", 4)}
+MODELS = {"tiny": (CASES, EMPTY_RANKS), "qwen3_vl_tiny": (QWEN3_CASES, QWEN3_EMPTY_RANKS)}
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5  # fp32; both measured below 1e-6 here
 
 
 def reference_case(model: VisionModel, grid: list[list[int]], seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     grid_thw = torch.tensor(grid)
-    pixels = torch.randn(int(grid_thw.prod(-1).sum()), 1176, generator=g)
+    vc = model.visual.config
+    width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2  # 1176 for 14 px patches
+    pixels = torch.randn(int(grid_thw.prod(-1).sum()), width, generator=g)
     model.zero_grad(set_to_none=True)
     out = model(pixels, grid_thw)
     weights = torch.randn(out.shape, generator=g)
@@ -46,28 +55,39 @@ def reference_case(model: VisionModel, grid: list[list[int]], seed: int) -> dict
     return dict(grid=grid_thw, pixels=pixels, weights=weights, out=out.detach(), grads=grads)
 
 
-def _worker(rank: int, world: int, port: int, state: dict, cases: dict, done_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, models: dict, done_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     try:
-        config = architecture_config("tiny")
-        model = VisionModel(config).float().train()
-        model.load_state_dict(state)
-        group = dist.group.WORLD
-        calls = []
-        real_a2a = sp_mod.all_to_all_single_autograd
+        for model_name, (state, cases) in models.items():
+            _check_cases(rank, world, model_name, state, cases)
+            (Path(done_dir) / f"rank{rank}.{model_name}.ok").write_text(",".join(cases))  # all checked on this rank
+    finally:
+        dist.destroy_process_group()
 
-        def counting_a2a(tensor, out_sizes, in_sizes, grp):
-            calls.append((tuple(out_sizes), tuple(in_sizes)))
-            return real_a2a(tensor, out_sizes, in_sizes, grp)
 
-        sp_mod.all_to_all_single_autograd = counting_a2a
+def _check_cases(rank: int, world: int, model_name: str, state: dict, cases: dict) -> None:
+    config = architecture_config(model_name)
+    family = family_of(config)
+    empty_ranks = MODELS[model_name][1]
+    model = family.vision_model(config).float().train()
+    model.load_state_dict(state)
+    group = dist.group.WORLD
+    calls = []
+    real_a2a = sp_mod.all_to_all_single_autograd
+
+    def counting_a2a(tensor, out_sizes, in_sizes, grp):
+        calls.append((tuple(out_sizes), tuple(in_sizes)))
+        return real_a2a(tensor, out_sizes, in_sizes, grp)
+
+    sp_mod.all_to_all_single_autograd = counting_a2a
+    try:
         for name, case in cases.items():
             calls.clear()
             plan = plan_shards(case["grid"], world, config)
-            if (name, world) in EMPTY_RANKS:
+            if (name, world) in empty_ranks:
                 assert 0 in plan.lengths, (name, plan.lengths)
             poisoned = torch.full_like(case["pixels"], float("nan"))  # other ranks' rows must never be read
             poisoned[plan.patch_index[rank]] = case["pixels"][plan.patch_index[rank]]
@@ -84,16 +104,15 @@ def _worker(rank: int, world: int, port: int, state: dict, cases: dict, done_dir
             # docs/design.md, invariant 2: the same all-to-alls on every rank, empty or not (2 per full-attention block)
             everyone = [None] * world
             dist.all_gather_object(everyone, len(calls), group=group)
-            assert everyone == [2 * len(config.vision_config.fullatt_block_indexes)] * world, (name, everyone)
+            assert everyone == [2 * len(family.full_attention_blocks(config.vision_config))] * world, (name, everyone)
             for pname, p in model.named_parameters():
                 assert p.grad is not None, (name, rank, pname)  # an empty rank still has (zero) grads to reduce
                 total = p.grad.clone()
                 dist.all_reduce(total, group=group)
                 err = rel_err(total, case["grads"][pname])
                 assert err <= GRAD_TOL, (name, rank, pname, err)
-        (Path(done_dir) / f"rank{rank}.ok").write_text(",".join(cases))  # every case checked on this rank
     finally:
-        dist.destroy_process_group()
+        sp_mod.all_to_all_single_autograd = real_a2a
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +123,25 @@ def reference():
     return config, model, cases
 
 
+@pytest.fixture(scope="module")
+def qwen3_reference():
+    config = architecture_config("qwen3_vl_tiny")
+    model = perturbed_reference(family_of(config).vision_model, config)
+    cases = {name: reference_case(model, grid, seed) for seed, (name, grid) in enumerate(QWEN3_CASES.items())}
+    return config, model, cases
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_sp_forward_backward_match_unsharded(reference, world, tmp_path):
-    _, model, cases = reference
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+def test_sp_forward_backward_match_unsharded(reference, qwen3_reference, world, tmp_path):
+    models = {
+        name: ({k: v.detach().clone() for k, v in model.state_dict().items()}, cases)
+        for name, (_, model, cases) in (("tiny", reference), ("qwen3_vl_tiny", qwen3_reference))
+    }
     # The ranks assert; a failing rank makes start_processes raise. Each rank also reports completion.
-    mp.start_processes(
-        _worker, args=(world, free_port(), state, cases, str(tmp_path)), nprocs=world, start_method="spawn"
-    )
+    mp.start_processes(_worker, args=(world, free_port(), models, str(tmp_path)), nprocs=world, start_method="spawn")
     for rank in range(world):
-        assert (tmp_path / f"rank{rank}.ok").read_text() == ",".join(cases)
+        for name, (_, cases) in models.items():
+            assert (tmp_path / f"rank{rank}.{name}.ok").read_text() == ",".join(cases)
 
 
 def test_sp1_is_the_plain_forward(reference):

@@ -11,8 +11,9 @@ from typing import Any
 
 from dhp.models.family.base import ModelFamily
 from dhp.models.family.qwen2_5_vl import QWEN2_5_VL
+from dhp.models.family.qwen3_vl import QWEN3_VL
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL,)
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_5_VL, QWEN3_VL)
 
 
 def shape_names() -> list[str]:
