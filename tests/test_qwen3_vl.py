@@ -104,8 +104,8 @@ def test_stages_train_like_transformers(small_qwen3_parity_setup):
     assert len({tuple(g) for g in torch.cat(grids).tolist()}) == 2  # of two sizes
     params = {m.hf_name(n): p for m in (vision, text) for n, p in m.named_parameters()}
     assert set(params) == {n for n, _ in ref.named_parameters()}
-    opt = torch.optim.AdamW(params.values(), lr=1e-3, eps=1e-6, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    opt = torch.optim.AdamW(params.values(), lr=1e-3, eps=1e-6, weight_decay=0.1, foreach=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1, foreach=True)
     full_v, full_t = vision_inputs(samples), text_inputs(samples, pad_id=151643)
     labelled = count_label_tokens(full_t["labels"])
     for step in range(STEPS):
