@@ -1,6 +1,8 @@
 """A batch of a video sample (a video and an image in one conversation), a video given as frame files and a
 text-only sample trains under vision SP2 / text TP2 exactly like the single-process transformers model given
-pixel_values_videos, video_grid_thw and second_per_grid_ts (tests/test_parity.py's tolerances)."""
+pixel_values_videos, video_grid_thw and second_per_grid_ts (tests/test_parity.py's tolerances): padded (the videos
+and the image in one micro-batch, the text-only sample in another) and packed (all three in one sequence, the
+text-only sample between the videos)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dhp.dataflow.video import VideoSettings
 from dhp.models.architectures import architecture_config
 from dhp.stages.config import load_config
 from tests.conftest import rel_err, write_image
+from tests.test_packing import _packed_microbatch
 from tests.test_parity import BASE, RESOURCES, SP2, STEPS, TP2, _microbatch, collect, reference_trajectory
 from tests.test_video import noise_frames
 
@@ -89,19 +92,22 @@ def reference_inputs(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.
 
 
 @pytest.mark.slow
-def test_video_batch_matches_transformers_sp2_tp2(parity_setup, video_samples, trainers):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_video_batch_matches_transformers_sp2_tp2(parity_setup, video_samples, trainers, packed):
     ref, ckpt, _ = parity_setup
     samples = video_samples
     inputs = reference_inputs(samples)
     assert inputs["video_grid_thw"].tolist() == [[2, 12, 16], [2, 6, 8]]
     assert inputs["second_per_grid_ts"].tolist() == [1.0, 1.0]
     longest = max(s["input_ids"].shape[0] for s in samples)
+    total = sum(s["input_ids"].shape[0] for s in samples)
     cfg = load_config(
         "tiny",
         BASE
         + [
             f"model.path={ckpt}",
-            f"data.microbatch_tokens={2 * longest}",
+            f"data.microbatch_tokens={total}",
+            f"data.packing={str(packed).lower()}",
             f"data.max_seq_len={longest}",
             f"training.steps={STEPS}",
             "training.warmup_steps=1",
@@ -114,8 +120,10 @@ def test_video_batch_matches_transformers_sp2_tp2(parity_setup, video_samples, t
         + SP2
         + TP2,
     )
-    # one micro-batch of both videos and the image, one text-only
-    batch = GlobalBatch([_microbatch([samples[0], samples[1]], cfg), _microbatch([samples[2]], cfg)], epoch=0)
+    if packed:  # one sequence: a video with an image, the text-only sample, the video of frame files
+        batch = GlobalBatch([_packed_microbatch([samples[0], samples[2], samples[1]], cfg)], epoch=0)
+    else:  # one micro-batch of both videos and the image, one text-only
+        batch = GlobalBatch([_microbatch([samples[0], samples[1]], cfg), _microbatch([samples[2]], cfg)], epoch=0)
     with trainers.use(cfg) as trainer:
         expected = reference_trajectory(copy.deepcopy(ref), inputs, cfg)
         for step in range(STEPS):
