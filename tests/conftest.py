@@ -60,7 +60,7 @@ class TrainerCache:
     does not ask for this fixture and is slow (`pytest_runtest_setup` below)."""
 
     # Each kept actor is an idle process of about 0.5 GB (torch, transformers, the tiny model).
-    KEEP_ACTORS = 12
+    KEEP_ACTORS = 16
 
     def __init__(self) -> None:
         self.kept: list = []
@@ -353,6 +353,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items[:] = kept_trainers_together(items)
+
+
+def kept_trainers_together(items: list) -> list:
+    """`items` with the modules whose tests take `trainers` run one after another, from the first one's place,
+    and their slow tests that do not take it after all of them.
+
+    A slow test without the fixture shuts the kept trainers down (`pytest_runtest_setup`), so in the plain
+    file order every module rebuilt the pools the one before had kept (31 builds for 23 reuses). Each module's
+    own tests keep their order; only modules and those clearing tests move."""
+
+    def takes(item) -> bool:
+        return "trainers" in getattr(item, "fixturenames", ())
+
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    users = [m for m, its in modules.items() if any(takes(i) for i in its)]
+    clearing = [i for m in users for i in modules[m] if not takes(i) and i.get_closest_marker("slow") is not None]
+    out = []
+    for module, its in modules.items():
+        if module not in users:
+            out += its
+        elif module == users[0]:
+            out += [i for m in users for i in modules[m] if i not in clearing] + clearing
+    return out
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -323,13 +323,13 @@ def test_loader_sends_packed_micro_batches(parity_setup, parity_data, ray_sessio
 # Through the pools ---------------------------------------------------------------------------------------------
 
 
-def _packed_microbatch(chosen: list[dict], cfg) -> MicroBatch:
+def _packed_microbatch(chosen: list[dict], cfg, model_config=None) -> MicroBatch:
     """`tests/test_parity._microbatch` with the text packed: what the loader sends with `data.packing`."""
     assert cfg.data.packing
     vision, text = microbatch_inputs(chosen, PAD_ID, packed=True)
     meta = meta_of(vision, text)
     sp = cfg.vision.degree if cfg.vision.parallelism == "sequence" else 0
-    parts = split_for_ranks(vision, text, sp, architecture_config("tiny"))
+    parts = split_for_ranks(vision, text, sp, model_config or architecture_config("tiny"))
     return MicroBatch([ray.put(p) for p in parts], ray.put(text), meta)
 
 
