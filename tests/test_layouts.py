@@ -110,7 +110,8 @@ def test_no_layout_name_tests_outside_the_registry():
         r"parallelism\s*(==|!=|in\b|not in\b)|\blayout\s*(==|!=)\s*['\"]|\.zero3\b(?!\.)"
         r"|\b(placement|resume|on_checkpoint_error)\s*(==|!=|in\b|not in\b)"
     )
-    allowed = {ROOT / "stages/config.py"}
+    # config.py validates the names; a family lists the layout names it has (models/family/base.py check_layout)
+    allowed = {ROOT / "stages/config.py", ROOT / "models/family/base.py"}
     hits = []
     for folder in ("stages", "scripts", "models", "dataflow"):
         for path in (ROOT / folder).rglob("*.py"):  # subpackages too (models/parallel/, scripts/bench/, ...)
