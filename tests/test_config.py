@@ -29,7 +29,7 @@ from dhp.stages.config import (
     validate,
 )
 
-PRESETS = ("tiny", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b")
+PRESETS = ("tiny", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b", "qwen3_vl_2b", "qwen3_vl_8b", "qwen3_vl_32b")
 
 
 def _write(tmp_path: Path, text: str, name: str = "run.yaml") -> str:

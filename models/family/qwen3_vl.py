@@ -3,10 +3,11 @@ interpolated to each grid) and DeepStack (the outputs of `deepstack_visual_index
 mergers, are added to the first decoder layers at the image positions); the Qwen3 decoder (q/k RMSNorm,
 interleaved mRoPE, `head_dim` of its own).
 
-Its stage modules are models/qwen3_vl.py (transformers' own classes). Named shapes: `qwen3_vl_tiny` only, ours,
-the smallest shape with every code path of the family on: DeepStack from two of four vision blocks into the
-first two of three decoder layers, grouped-query attention, a `head_dim` that is not hidden / heads, the real
-151 k vocabulary. Released checkpoints load through `model.path`.
+Its stage modules are models/qwen3_vl.py (transformers' own classes). Named shapes: `qwen3_vl_tiny`, ours, the
+smallest shape with every code path of the family on (DeepStack from two of four vision blocks into the first two
+of three decoder layers, grouped-query attention, a `head_dim` that is not hidden / heads, the real 151 k
+vocabulary), and the released dense sizes `qwen3_vl_2b`, `qwen3_vl_8b`, `qwen3_vl_32b` (for `dhp plan` and a
+random-init run; their checkpoints load through `model.path`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,51 @@ SHAPES: dict[str, dict[str, Any]] = {
         ),
     ),
 }
+
+
+def _released(vision: dict[str, Any], hidden: int, intermediate: int, layers: int, heads: int, tie: bool) -> dict:
+    """A released dense size: the numbers of its Hugging Face `config.json` (every size: 8 KV heads of 128, the
+    interleaved mRoPE of sections [24, 20, 20] at theta 5e6, a 262 144-token window)."""
+    text = dict(
+        vocab_size=_QWEN_VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+    )
+    return dict(vision=dict(vision, out_hidden_size=hidden), text=text)
+
+
+# The two released encoders: 24 blocks of 1024 (2B, 4B) and 27 of 1152 (8B, 32B), DeepStack from three blocks
+_VIT_SMALL = dict(
+    depth=24,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_heads=16,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[5, 11, 17],
+    hidden_act="gelu_pytorch_tanh",
+)
+_VIT_LARGE = dict(_VIT_SMALL, depth=27, hidden_size=1152, intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24])
+SHAPES.update(
+    qwen3_vl_2b=_released(_VIT_SMALL, 2048, 6144, layers=28, heads=16, tie=True),
+    qwen3_vl_8b=_released(_VIT_LARGE, 4096, 12288, layers=36, heads=32, tie=False),
+    qwen3_vl_32b=_released(_VIT_LARGE, 5120, 25600, layers=64, heads=64, tie=False),
+)
 
 # The vision TP plan (models/parallel/vision_tensor_parallel.py): the merger and the DeepStack mergers alike
 _MERGERS = r"\.(merger|deepstack_merger_list\.\d+)"
