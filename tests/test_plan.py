@@ -13,7 +13,14 @@ from dhp.stages.cli import main
 from dhp.stages.config import load_config
 from dhp.stages.trainer import model_config_of
 
-PRESETS = {"qwen2_5_vl_7b": 4, "qwen2_5_vl_32b": 8, "qwen2_5_vl_72b": 16, "qwen3_vl_2b": 2, "qwen3_vl_8b": 4, "qwen3_vl_32b": 8}
+PRESETS = {
+    "qwen2_5_vl_7b": 4,
+    "qwen2_5_vl_32b": 8,
+    "qwen2_5_vl_72b": 16,
+    "qwen3_vl_2b": 2,
+    "qwen3_vl_8b": 4,
+    "qwen3_vl_32b": 8,
+}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
