@@ -2,6 +2,7 @@
 
     dhp train [--config PRESET_OR_YAML] [KEY=VALUE ...]
     dhp data synth --out DIR --num N --seed S [--eval-num M] [--video-fraction F]
+    dhp data profile [PATH] [--config C] [--limit N] [--out FILE] [KEY=VALUE ...]  (the data's length mix, JSON)
     dhp data convert-coco --captions FILE --images DIR --out FILE        (COCO captions -> conversations)
     dhp data convert-laion-pop --in FILE --out FILE [--image-field K] [--caption-field K]
     dhp report RUN_DIR [--out DIR]                            (PNG plots of a run + a summary table)
@@ -100,6 +101,14 @@ def _parser() -> argparse.ArgumentParser:
         "--video-fraction", type=float, default=0.1, help="records that are short videos (default 0.1, as dhp train)"
     )
 
+    prof = data.add_parser("profile", help="the length mix of data.train through the real preprocessing (JSON)")
+    prof.set_defaults(run=_profile)
+    prof.add_argument("path", nargs="?", default=None, help="annotation files or shards (default: data.train)")
+    prof.add_argument("--config", default="tiny", help="preset name or YAML path (its model and data settings)")
+    prof.add_argument("--limit", type=int, default=2000, help="records to preprocess, at most (default 2000)")
+    prof.add_argument("--out", default=None, help="JSON output (default: print the summary only)")
+    prof.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+
     coco = data.add_parser("convert-coco", help="COCO captions JSON -> conversation-format JSONL")
     coco.set_defaults(run=_convert)
     coco.add_argument("--captions", required=True, help="captions_*.json (images + annotations)")
@@ -168,6 +177,22 @@ def _synth(args: argparse.Namespace) -> int:
         f"{s.num_train} train + {s.num_val} eval records, {s.num_images} images, {s.num_videos} videos {state} in "
         f"{s.out_dir}"
     )
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """`dhp data profile`: the summary table; the samples and the summary as JSON with --out."""
+    from dhp.dataflow.length_profile import table, write
+    from dhp.stages.data_profile import data_profile
+
+    if args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1 (got {args.limit})")
+    cfg = load_config(args.config, [*args.overrides, *([f"data.train={args.path}"] if args.path else [])])
+    result = data_profile(cfg, args.limit)
+    print(table(result))
+    if args.out:
+        write(result, args.out)
+        print(f"profile: {args.out}")
     return 0
 
 

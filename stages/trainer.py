@@ -73,6 +73,21 @@ def pool_shape(cfg: Config) -> tuple:
     return stages, cfg.pipeline.placement_mode.name, cfg.pipeline.transport.direct
 
 
+def preprocess_settings(cfg: Config, image_root: str, train_paths: list[str]) -> PreprocessSettings:
+    """What the preprocessing of `cfg`'s data needs (dataflow/preprocess.py), built in the driver."""
+    d = cfg.data
+    return PreprocessSettings(
+        image_root=image_root,
+        min_pixels=d.min_pixels,
+        max_pixels=d.max_pixels,
+        max_seq_len=d.max_seq_len,
+        tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
+        storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
+        records=record_format(d, train_paths),  # JSONL or WebDataset shards (dataflow/sources.py)
+        video=VideoSettings(**dataclasses.asdict(d.video)),  # frame sampling and size (dataflow/video.py)
+    )
+
+
 def trainer_for(cfg: Config, model_config: Any = None, previous: Trainer | None = None) -> Trainer:
     """A trainer of `cfg` at step 0: `previous` rebuilt for it when its pools have the same shape
     (`Trainer.reuse`, no process started), else a new one, `previous` shut down first (its resources freed).
@@ -108,16 +123,7 @@ class Trainer:
         check_layout(cfg, self.model_config)
         self.fine_tuning = FineTuning(cfg)  # what trains (checked by check_layout)
         d = cfg.data
-        settings = PreprocessSettings(
-            image_root=image_root,
-            min_pixels=d.min_pixels,
-            max_pixels=d.max_pixels,
-            max_seq_len=d.max_seq_len,
-            tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
-            storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
-            records=records,  # JSONL or WebDataset shards (dataflow/sources.py)
-            video=VideoSettings(**dataclasses.asdict(d.video)),  # frame sampling and size (dataflow/video.py)
-        )
+        settings = preprocess_settings(cfg, image_root, train_paths or [])
         check_resources(cfg, wait_s)
         self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
         self.clock.new_attempt()
