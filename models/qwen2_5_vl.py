@@ -76,13 +76,14 @@ class TextModel(nn.Module):
     """
 
     checkpoint_prefixes = ("model.language_model.", "lm_head.")
+    language_model_class = Qwen2_5_VLTextModel  # transformers' decoder (a subclass names its family's)
 
     def __init__(self, config: Qwen2_5_VLConfig, packed: bool = False):
         super().__init__()
         text_config = varlen_kernel().text_config(config.text_config) if packed else config.text_config
         self.packed = packed
         # fp32 whatever the config's `dtype` says (models/precision.py)
-        self.language_model = Qwen2_5_VLTextModel._from_config(text_config, dtype=torch.float32)
+        self.language_model = self.language_model_class._from_config(text_config, dtype=torch.float32)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.image_token_id = config.image_token_id
         self.video_token_id = config.video_token_id

@@ -25,7 +25,6 @@ from transformers import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
 
 from dhp.models import qwen2_5_vl
-from dhp.models.packed_attention import varlen_kernel
 
 
 class VisionModel(qwen2_5_vl.VisionModel):
@@ -60,17 +59,11 @@ class TextModel(qwen2_5_vl.TextModel):
     (`visual_pos_masks`, `Qwen3VLTextModel._deepstack_process`). The loss, packing and the layer list are
     Qwen2.5-VL's (the parent class)."""
 
+    language_model_class = Qwen3VLTextModel
+
     def __init__(self, config: Qwen3VLConfig, packed: bool = False):
-        nn.Module.__init__(self)
-        text_config = varlen_kernel().text_config(config.text_config) if packed else config.text_config
-        self.packed = packed
-        # fp32 whatever the config's `dtype` says (models/precision.py)
-        self.language_model = Qwen3VLTextModel._from_config(text_config, dtype=torch.float32)
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-        self.image_token_id = config.image_token_id
+        super().__init__(config, packed)
         self.deepstack = len(config.vision_config.deepstack_visual_indexes)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
 
     def hidden_states(
         self,

@@ -24,6 +24,8 @@ class ModelFamily:
     shapes: ClassVar[dict[str, dict[str, Any]]] = {}
     # the layouts (`parallelism` values) each stage can use with this family; the others are refused up front
     layouts: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # the special token ids a named shape's config gets (image / video pads, vision start / end)
+    token_ids: ClassVar[dict[str, int]] = {}
 
     # --- configs ---------------------------------------------------------------------------------------
 
@@ -38,8 +40,17 @@ class ModelFamily:
         raise NotImplementedError
 
     def shape_config(self, name: str, attn_implementation: str = "sdpa") -> Any:
-        """The config of the named shape `name` (one of `shapes`)."""
-        raise NotImplementedError
+        """The config of the named shape `name` (one of `shapes`), in `config_class`, with `token_ids`."""
+        arch = self.shapes[name]
+        text = dict(arch["text"])
+        config = self.config_class(
+            vision_config=dict(arch["vision"]),
+            text_config=text,
+            tie_word_embeddings=text["tie_word_embeddings"],
+            **self.token_ids,
+        )
+        config._attn_implementation = attn_implementation
+        return config
 
     def owns(self, model_config: Any) -> bool:
         """Whether `model_config` (the whole model's, or its vision or text part) is this family's."""
@@ -49,11 +60,11 @@ class ModelFamily:
 
     def vision_model(self, model_config: Any) -> nn.Module:
         """The vision stage's module: pixels -> what crosses the boundary, `[N, boundary_width]`."""
-        raise NotImplementedError
+        return self.stage_module_class("vision")(model_config)
 
     def text_model(self, model_config: Any, packed: bool = False) -> nn.Module:
         """The text stage's module: tokens + the boundary's rows -> summed loss."""
-        raise NotImplementedError
+        return self.stage_module_class("text")(model_config, packed=packed)
 
     def stage_module_class(self, stage: str) -> type:
         """The class of `stage`'s module (its `hf_name` and `checkpoint_prefixes`)."""

@@ -106,11 +106,18 @@ _VISION_TP = [
 ]
 
 
+# The special tokens of the Qwen2.5-VL and Qwen3-VL tokenizer (the same vocabulary)
+QWEN_VL_TOKEN_IDS = dict(
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
+)
+
+
 class Qwen2_5_VL(ModelFamily):
     name = "qwen2_5_vl"
     label = "Qwen2.5-VL"
     shapes = SHAPES
     layouts = {"vision": ("none", "sequence", "tensor", "zero3"), "text": ("none", "tensor", "zero3")}
+    token_ids = QWEN_VL_TOKEN_IDS
 
     @property
     def config_class(self) -> type:
@@ -121,31 +128,6 @@ class Qwen2_5_VL(ModelFamily):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
         return Qwen2_5_VLForConditionalGeneration
-
-    def shape_config(self, name: str, attn_implementation: str = "sdpa") -> Qwen2_5_VLConfig:
-        arch = self.shapes[name]
-        text = dict(arch["text"])
-        config = Qwen2_5_VLConfig(
-            vision_config=dict(arch["vision"]),
-            text_config=text,
-            tie_word_embeddings=text["tie_word_embeddings"],
-            image_token_id=151655,
-            video_token_id=151656,
-            vision_start_token_id=151652,
-            vision_end_token_id=151653,
-        )
-        config._attn_implementation = attn_implementation
-        return config
-
-    def vision_model(self, model_config: Any) -> nn.Module:
-        from dhp.models.qwen2_5_vl import VisionModel
-
-        return VisionModel(model_config)
-
-    def text_model(self, model_config: Any, packed: bool = False) -> nn.Module:
-        from dhp.models.qwen2_5_vl import TextModel
-
-        return TextModel(model_config, packed=packed)
 
     def stage_module_class(self, stage: str) -> type:
         from dhp.models.qwen2_5_vl import TextModel, VisionModel

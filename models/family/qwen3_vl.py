@@ -20,6 +20,7 @@ from torch import nn
 from transformers import Qwen3VLConfig
 
 from dhp.models.family.base import ModelFamily, tp_role
+from dhp.models.family.qwen2_5_vl import QWEN_VL_TOKEN_IDS
 
 _QWEN_VOCAB = 151936
 
@@ -121,6 +122,7 @@ class Qwen3_VL(ModelFamily):
     label = "Qwen3-VL"
     shapes = SHAPES
     layouts = {"vision": ("none", "sequence", "tensor", "zero3"), "text": ("none", "tensor", "zero3")}
+    token_ids = QWEN_VL_TOKEN_IDS
     vision_mlp_linears = 2  # linear_fc1, linear_fc2
     text_head_norms = ("q_norm", "k_norm")
 
@@ -133,31 +135,6 @@ class Qwen3_VL(ModelFamily):
         from transformers import Qwen3VLForConditionalGeneration
 
         return Qwen3VLForConditionalGeneration
-
-    def shape_config(self, name: str, attn_implementation: str = "sdpa") -> Qwen3VLConfig:
-        arch = self.shapes[name]
-        text = dict(arch["text"])
-        config = Qwen3VLConfig(
-            vision_config=dict(arch["vision"]),
-            text_config=text,
-            tie_word_embeddings=text["tie_word_embeddings"],
-            image_token_id=151655,
-            video_token_id=151656,
-            vision_start_token_id=151652,
-            vision_end_token_id=151653,
-        )
-        config._attn_implementation = attn_implementation
-        return config
-
-    def vision_model(self, model_config: Any) -> nn.Module:
-        from dhp.models.qwen3_vl import VisionModel
-
-        return VisionModel(model_config)
-
-    def text_model(self, model_config: Any, packed: bool = False) -> nn.Module:
-        from dhp.models.qwen3_vl import TextModel
-
-        return TextModel(model_config, packed=packed)
 
     def stage_module_class(self, stage: str) -> type:
         from dhp.models.qwen3_vl import TextModel, VisionModel
