@@ -3,12 +3,18 @@
     dhp plan --time --gpu h100-sxm --gpus 8 --image-patches 16384 [--text-tokens 512] [--nodes 1]
              [--gpu-set FIELD=VALUE ...] [--config C] [KEY=VALUE ...] [--json PATH]
     dhp plan --search --gpu h100-sxm --gpus 8 [--image-patches P] [--top 10] [--out best.yaml] [--json PATH]
+    dhp plan --time|--search ... --data-profile PROFILE.json   (the length mix `dhp data profile --out` wrote)
 
 `--gpu` is a datasheet name (models/planning/hardware.py) or the JSON `dhp bench ops` wrote; `--gpu-set` replaces a
 profile field (e.g. `intra_gbps=300`). The layout is the config's; on a GPU profile this module fills in
 what the GPU count implies: `num_gpus_per_actor` (shared placement: both pools' actor b on GPU b, half a
 GPU each; disjoint: one each, the pools side by side), `model.dtype: bfloat16`, the GPU's memory for the
-memory plan, and a micro-batch of at least one sample (`data.microbatch_tokens` >= P/4 + T).
+memory plan, and a micro-batch of at least one sample (`data.microbatch_tokens` >= P/4 + T, or the longest
+sample of the mix).
+
+With `--data-profile` the step is a global batch of the profile's samples (models/planning/length_mix.py says
+which and how it is split), each micro-batch costed at its own sizes, and memory planned for the largest one.
+`--search` then ranks the layouts by that prediction; its micro-batch lever is 1/2/4 median samples of tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from dhp.stages.config import Config, ConfigError
 GIB = 2**30
 
 
-def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload) -> Config:
-    """A copy of `cfg` as it would run on `gpus` devices of `prof` (module docstring)."""
+def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload, longest: int | None = None) -> Config:
+    """A copy of `cfg` as it would run on `gpus` devices of `prof` (module docstring); `longest`: the tokens
+    of the longest sample a micro-batch must take (default `w`'s)."""
     cfg = copy.deepcopy(cfg)
-    tokens = w.sample_tokens
+    tokens = w.sample_tokens if longest is None else longest
     if cfg.data.microbatch_tokens < tokens:
         cfg.data.microbatch_tokens = tokens
     cfg.data.max_seq_len = min(cfg.data.max_seq_len, cfg.data.microbatch_tokens)
@@ -61,18 +68,26 @@ def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload) -> Config
     return cfg
 
 
-def predict(cfg: Config, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
-    """`step_time` plus the memory plan of the same configuration: `fits`, GiB per device."""
+def predict(cfg: Config, mc: Any, prof: Profile, w: Workload, mix: list[dict] | None = None) -> dict[str, Any]:
+    """`step_time` plus the memory plan of the same configuration: `fits`, GiB per device. With `mix` (a
+    length profile's samples) the step of that mix (`length_mix.mixed_step_time`), memory at its largest
+    micro-batch."""
+    from dhp.models.planning.length_mix import mixed_step_time
     from dhp.models.planning.memory_plan import plan
 
-    result = step_time(cfg, mc, prof, w)
-    patches = w.image_patches * result["samples_per_microbatch"]
+    if mix is None:
+        result = step_time(cfg, mc, prof, w)
+        patches = result["largest_microbatch_patches"]
+    else:
+        result = mixed_step_time(cfg, mc, prof, mix)
+        patches = result["memory_patches"]
     mem = plan(cfg, mc, prof.memory_gib if prof.kind == "gpu" else None, vision_patches=patches)
     return {
         **result,
         "fits": mem["fits"] is not False,
         "memory_per_device_gib": mem["per_device"] / GIB,
         "memory_source": mem["device_source"],
+        "memory_patches": patches,
         "layout": describe(cfg),
     }
 
@@ -94,12 +109,29 @@ def describe(cfg: Config) -> str:
     )
 
 
+def workload_line(r: dict[str, Any]) -> str:
+    """What the prediction is of: one size, or the mix (its samples, p50/p99 per sample, the batch drawn)."""
+    if "mix" not in r:
+        return (
+            f"workload: {r['image_patches']} patches + {r['text_tokens']} text tokens per sample, "
+            f"{r['samples_per_microbatch']} per micro-batch, global batch {r['global_batch_size']}, "
+            f"{r['microbatches_per_text_replica']} micro-batches per text replica; profile {r['profile']}"
+        )
+    m, n_mb = r["mix"], r["microbatches"]
+    p, t, n = m["patches_per_sample"], m["text_tokens_per_sample"], m["tokens_per_sample"]
+    return (
+        f"workload: the length mix of {m['samples']} samples (per sample p50/p99: {p['p50']:g}/{p['p99']:g} "
+        f"patches, {t['p50']:g}/{t['p99']:g} text tokens, {n['p50']:g}/{n['p99']:g} tokens); global batch "
+        f"{m['batch_samples']} of them at {m['draw']}, in {n_mb} micro-batch{'es' if n_mb > 1 else ''} (at most "
+        f"{r['microbatches_per_text_replica']} per text replica); profile {r['profile']}"
+    )
+
+
 def table(r: dict[str, Any]) -> str:
+    mixed = "mix" in r
     lines = [
         f"{r['layout']}",
-        f"workload: {r['image_patches']} patches + {r['text_tokens']} text tokens per sample, "
-        f"{r['samples_per_microbatch']} per micro-batch, global batch {r['global_batch_size']}, "
-        f"{r['microbatches_per_text_replica']} micro-batches per text replica; profile {r['profile']}",
+        workload_line(r),
         "",
         "| part | seconds per step (one rank) |",
         "|---|---:|",
@@ -109,13 +141,15 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"| {part} | {sec:.4f} |")
     lines += [
         "",
-        f"micro-batch calls: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in r['per_call_s'].items())}",
+        ("largest micro-batch's calls: " if mixed else "micro-batch calls: ")
+        + f"{', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in r['per_call_s'].items())}",
         f"simulated micro-batch makespan {r['makespan_s']:.3f} s (pipeline bubble {r['bubble_s']:.3f} s on "
         f"the busiest device) + gradient sync {r['tail_s']['grad_sync']:.3f} s + optimizer "
         f"{r['tail_s']['optimizer']:.3f} s",
         f"step {r['step_s']:.3f} s; {r['vision_tokens_per_s']:.0f} vision tokens/s; memory "
         f"{r['memory_per_device_gib']:.1f} GiB per device ({'fits' if r['fits'] else 'DOES NOT FIT'}; "
-        f"{r['memory_source']})",
+        f"{r['memory_source']})"
+        + (f", planned for the mix's largest micro-batch ({r['memory_patches']} patches)" if mixed else ""),
     ]
     return "\n".join(lines)
 
@@ -155,11 +189,19 @@ def candidates(base: Config, gpus: int) -> list[Config]:
     return out
 
 
-def search(base: Config, mc: Any, prof: Profile, gpus: int, w: Workload) -> list[dict[str, Any]]:
+def search(
+    base: Config, mc: Any, prof: Profile, gpus: int, w: Workload, mix: list[dict] | None = None
+) -> list[dict[str, Any]]:
     """Ranked predictions of the layouts that fit: for each layout, micro-batch samples 1/2/4, in-flight
     1/2/4, and the first memory lever that makes it fit: fp32 master states before pure bf16 (a choice of
-    numerics, not only of speed), and within each, no recomputation before checkpointing a pool."""
+    numerics, not only of speed), and within each, no recomputation before checkpointing a pool. With `mix`
+    (a length profile's samples) each is predicted on the mix and a micro-batch takes 1/2/4 median samples'
+    tokens, at least the longest sample's."""
     from dhp.models.parallel.checks import check_layout
+    from dhp.models.planning.length_mix import longest, summary
+
+    sample_tokens = w.sample_tokens if mix is None else summary(mix, [])["tokens_per_sample"]["p50"]
+    least = None if mix is None else longest(mix)
 
     rows = []
     levers = [
@@ -170,17 +212,17 @@ def search(base: Config, mc: Any, prof: Profile, gpus: int, w: Workload) -> list
     for layout in candidates(base, gpus):
         for samples, in_flight in itertools.product((1, 2, 4), (1, 2, 4)):
             cfg = copy.deepcopy(layout)
-            cfg.data.microbatch_tokens = samples * w.sample_tokens
+            cfg.data.microbatch_tokens = max(samples * sample_tokens, least or 0)
             cfg.pipeline.max_in_flight = in_flight
             try:
                 check_layout(cfg, mc)
-                cfg = prepare(cfg, prof, gpus, w)
+                cfg = prepare(cfg, prof, gpus, w, least)
             except ConfigError:
                 continue
             for va, ta, precision in levers:
                 cfg.vision.activation_checkpointing, cfg.text.activation_checkpointing = va, ta
                 cfg.model.precision = precision
-                r = predict(cfg, mc, prof, w)
+                r = predict(cfg, mc, prof, w, mix)
                 if r["fits"]:
                     rows.append({**r, "config": copy.deepcopy(cfg)})
                     break
@@ -189,8 +231,9 @@ def search(base: Config, mc: Any, prof: Profile, gpus: int, w: Workload) -> list
 
 
 def search_table(rows: list[dict[str, Any]], top: int) -> str:
+    samples = "samples / largest micro-batch" if rows and "mix" in rows[0] else "samples / micro-batch"
     lines = [
-        "| # | layout | samples / micro-batch | step s | vision tokens/s | GiB / GPU |",
+        f"| # | layout | {samples} | step s | vision tokens/s | GiB / GPU |",
         "|---:|---|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(rows[:top], 1):
@@ -221,6 +264,7 @@ def _json_row(r: dict[str, Any]) -> dict[str, Any]:
 
 def main(args: Any) -> int:
     from dhp.models.parallel.checks import check_layout
+    from dhp.models.planning.length_mix import load_samples, longest
     from dhp.stages.config import load_config, save_config
     from dhp.stages.trainer import model_config_of
 
@@ -230,13 +274,18 @@ def main(args: Any) -> int:
     mc = model_config_of(cfg)
     prof = _profile(args)
     w = Workload(args.image_patches, args.text_tokens, args.nodes)
+    mix = load_samples(args.data_profile) if args.data_profile else None
+    least = None if mix is None else longest(mix)
     if args.search:
         if not args.gpus:
             raise ConfigError("--search needs --gpus N")
-        rows = search(cfg, mc, prof, args.gpus, w)
+        rows = search(cfg, mc, prof, args.gpus, w, mix)
+        what = f"{args.image_patches} patches per image" if mix is None else f"the mix of {args.data_profile}"
         if not rows:
-            print(f"no layout of {args.gpus} x {prof.name} fits {args.image_patches} patches per image")
+            print(f"no layout of {args.gpus} x {prof.name} fits {what}")
             return 1
+        if mix is not None:
+            print(workload_line(rows[0]) + "; ranked by the mixed prediction\n")
         print(search_table(rows, args.top))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,8 +295,8 @@ def main(args: Any) -> int:
             write_json(args.json, [_json_row(r) for r in rows[: args.top]], default=str)
         return 0
     check_layout(cfg, mc)
-    cfg = prepare(cfg, prof, args.gpus, w)
-    r = predict(cfg, mc, prof, w)
+    cfg = prepare(cfg, prof, args.gpus, w, least)
+    r = predict(cfg, mc, prof, w, mix)
     print(table(r))
     if args.json:
         write_json(args.json, _json_row(r), default=str)

@@ -10,6 +10,7 @@
     dhp plan [--config NAME|PATH] [KEY=VALUE ...] [--gpu-memory GiB] [--json PATH]   (memory per rank; fits?)
     dhp plan --time --gpu NAME|PROFILE.json --gpus N --image-patches P [...]          (predicted step time)
     dhp plan --search --gpu NAME --gpus N [--image-patches P] [--out YAML]           (best layouts that fit)
+    dhp plan --time|--search ... --data-profile FILE          (predict with a `dhp data profile` length mix)
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M] [--scenario S]  (pipeline, pool sizes)
@@ -86,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--image-patches", type=int, default=1024, help="patches of every image (default 1024)")
     plan.add_argument("--text-tokens", type=int, default=512, help="text tokens of every sample (default 512)")
     plan.add_argument("--gpu-set", action="append", metavar="FIELD=VALUE", help="replace a profile field (repeatable)")
+    plan.add_argument(
+        "--data-profile", default=None, metavar="FILE", help="--time/--search: the length mix `dhp data profile` wrote"
+    )
     plan.add_argument("--top", type=int, default=10, help="--search: rows shown")
     plan.add_argument("--out", default="best_layout.yaml", help="--search: where the best layout's config goes")
     plan.set_defaults(run=_plan)
@@ -222,6 +226,10 @@ def _plan(args: argparse.Namespace) -> int:
     from dhp.models.planning.memory_plan import advice, plan, table
     from dhp.stages.trainer import model_config_of
 
+    if args.data_profile and not (args.time or args.search):
+        raise ConfigError(
+            "--data-profile goes with --time or --search (the memory plan alone takes data.microbatch_tokens)"
+        )
     if args.time or args.search:
         from dhp.scripts.plan_time import main as plan_time
 

@@ -168,14 +168,25 @@ def _merge(vision_units: list[list[tuple]], text_units: list[list[tuple]], max_i
 
 
 def simulate_calls(
-    calls: list[Call], forward_s: float, text_s: float, backward_s: float, resources: Any = None
+    calls: list[Call],
+    forward_s: float | dict[Key, float],
+    text_s: float | dict[Key, float],
+    backward_s: float | dict[Key, float],
+    resources: Any = None,
 ) -> tuple[float, dict[Any, float]]:
     """Best-case makespan of `calls` (seconds per call of each kind, padding included; no transfers), and
     each resource's busy seconds: each replica runs its calls in list order, one at a time, a lockstep call
     on all its members at once; a call starts when its resources are free and its inputs exist
-    (`schedule.simulate` for many replicas). `resources(call)` names what a call occupies (default: its
-    actors, (stage, replica)); devices shared by both pools make their calls take turns."""
-    cost = {VISION_FORWARD: forward_s, TEXT_FORWARD_BACKWARD: text_s, VISION_BACKWARD: backward_s}
+    (`schedule.simulate` for many replicas). A kind's seconds are one figure for every call, or one per key
+    (micro-batches of different sizes): a lockstep call lasts as long as its slowest member's.
+    `resources(call)` names what a call occupies (default: its actors, (stage, replica)); devices shared by
+    both pools make their calls take turns."""
+    seconds = {VISION_FORWARD: forward_s, TEXT_FORWARD_BACKWARD: text_s, VISION_BACKWARD: backward_s}
+
+    def call_s(call: Call) -> float:
+        s = seconds[call.kind]
+        return max(s[k] for k in call.keys()) if isinstance(s, dict) else s
+
     free: dict[Any, float] = {}
     busy: dict[Any, float] = {}
     ends: dict[tuple[str, Key], float] = {}
@@ -184,8 +195,9 @@ def simulate_calls(
         ready = max(
             [ends[(DEPENDS_ON[call.kind], k)] for k in call.keys()] if call.kind in DEPENDS_ON else [], default=0.0
         )
-        end = max([ready] + [free.get(a, 0.0) for a in actors]) + cost[call.kind]
+        cost = call_s(call)
+        end = max([ready] + [free.get(a, 0.0) for a in actors]) + cost
         free.update((a, end) for a in actors)
-        busy.update((a, busy.get(a, 0.0) + cost[call.kind]) for a in set(actors))
+        busy.update((a, busy.get(a, 0.0) + cost) for a in set(actors))
         ends.update(((call.kind, k), end) for k in call.keys())
     return max(free.values(), default=0.0), busy

@@ -3,7 +3,10 @@
 The workload: every image `P` patches (`--image-patches`), every sample `T` text tokens besides its P/4
 merged image tokens (`--text-tokens`, default 512), `data.microbatch_tokens // (P/4 + T)` samples per
 micro-batch (at least 1), `training.global_batch_size` samples per step. Throughput is vision tokens
-(patches) per second over the whole job, as the reference counts it.
+(patches) per second over the whole job, as the reference counts it. A real length mix (`--data-profile`,
+models/planning/length_mix.py) gives each micro-batch its own `MicroBatchShape`: its images' patches (attention
+is per image), its samples' lengths (padded: batch x longest, packed: their sum; attention per sample) and text
+tokens; `step_time_of` costs every micro-batch at its own sizes and schedules those.
 
 One micro-batch, per rank of each pool (seconds = work / the profile's rate for that kind of work):
 - compute by op class: vision linear (patch embed, blocks, merger: `flops.vision_linear_flops_per_patch`),
@@ -43,7 +46,7 @@ frozen or LoRA language model's backward computes input gradients only (forward 
 Linears and lm_head; the embeddings still need theirs), plus the LoRA factors' three passes; gradient
 accumulation, gradient sync and AdamW count only what trains.
 
-Stated simplifications: every micro-batch is the same shape (no packing variance); communication inside
+Stated simplifications: a lockstep call lasts as long as its largest member's; communication inside
 a node unless the group spans more GPUs than a node has; no overlap of TP/SP collectives with compute.
 """
 
@@ -84,6 +87,53 @@ class Workload:
     @property
     def sample_tokens(self) -> int:
         return self.image_patches // 4 + self.text_tokens
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """What one micro-batch holds: the patches of each of its images (and videos), in order, and each sample's
+    sequence length and text tokens (its labelled positions: the sequence less the merged vision tokens);
+    `packed`: one sequence of the samples back to back (`data.packing`), else right-padded to the longest."""
+
+    images: tuple[int, ...]
+    lengths: tuple[int, ...]
+    text_tokens: tuple[int, ...]
+    packed: bool = False
+
+    @classmethod
+    def uniform(cls, cfg: Any, w: Workload) -> MicroBatchShape:
+        """The micro-batch of `w`: `samples_per_microbatch` samples of one image each."""
+        n = samples_per_microbatch(cfg, w)
+        return cls((w.image_patches,) * n, (w.sample_tokens,) * n, (w.text_tokens,) * n, cfg.data.packing)
+
+    @property
+    def patches(self) -> int:
+        return sum(self.images)
+
+    @property
+    def merged_tokens(self) -> int:
+        return sum(p // 4 for p in self.images)
+
+    @property
+    def samples(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        """Positions the decoder computes: the sum of the lengths packed, batch x longest padded."""
+        return sum(self.lengths) if self.packed else self.samples * max(self.lengths, default=0)
+
+    @property
+    def attention_pairs(self) -> int:
+        """Query-key pairs of full (non-causal) attention over the sequences: each sample's own when packed,
+        the padded square of each row when padded (SDPA computes the masked positions too)."""
+        if self.packed:
+            return sum(n * n for n in self.lengths)
+        return self.samples * max(self.lengths, default=0) ** 2
+
+
+def _shape(cfg: Any, w: Workload | MicroBatchShape) -> MicroBatchShape:
+    return w if isinstance(w, MicroBatchShape) else MicroBatchShape.uniform(cfg, w)
 
 
 @dataclass
@@ -130,8 +180,9 @@ def _window_patches(vc: Any) -> int:
     return (vc.window_size // vc.patch_size) ** 2
 
 
-def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCost, CallCost]:
-    """(forward, backward) of one vision micro-batch on one rank."""
+def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload | MicroBatchShape) -> tuple[CallCost, CallCost]:
+    """(forward, backward) of one vision micro-batch on one rank: `w`'s (`MicroBatchShape.uniform`) or the
+    given one's images."""
     from dhp.models.parallel.layout import VitShape
     from dhp.models.parallel.layouts import stage_layout
     from dhp.models.planning import flops
@@ -139,16 +190,19 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
     vc, s = mc.vision_config, cfg.vision
     layout = stage_layout(cfg, "vision", mc)
     share, b = 1.0 / layout.work_shards, _bytes(cfg, "vision")
-    images = samples_per_microbatch(cfg, w)
-    p = w.image_patches * images
+    mb = _shape(cfg, w)
+    p = mb.patches
     full = VitShape.of(vc).full
     width = vc.hidden_size / layout.width_shards  # TP: narrower matmuls
     linear = flops.vision_linear_flops_per_patch(vc) * p * share / prof.matmul_rate(width)
     head_dim = vc.hidden_size // vc.num_heads
     windowed = vc.depth > full  # a family with no window blocks has no window size
-    window = 4 * vc.hidden_size * p * min(w.image_patches, _window_patches(vc)) * (vc.depth - full) if windowed else 0.0
+    # Attention is per image: an image's patches attend within it (full blocks) or within their window
+    in_window = sum(n * min(n, _window_patches(vc)) for n in mb.images)
+    window = 4 * vc.hidden_size * in_window * (vc.depth - full) if windowed else 0.0
     window_s = window * share / prof.attention_rate("window_attention", head_dim)
-    full_s = 4 * vc.hidden_size * p * w.image_patches * full * share / prof.attention_rate("attention", head_dim)
+    in_image = sum(n * n for n in mb.images)
+    full_s = 4 * vc.hidden_size * in_image * full * share / prof.attention_rate("attention", head_dim)
     shape = VitShape.of(vc)
     comm_bytes = layout.vit_comm_bytes(shape, p, b)
     collective, count = layout.vit_collective, layout.vit_collectives(shape)  # count: each way
@@ -196,7 +250,7 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
         )
         _overlap(fwd, f, prof)
         _overlap(bwd, g, prof)
-    boundary = _boundary_s(cfg, mc, prof, p // 4)
+    boundary = _boundary_s(cfg, mc, prof, mb.merged_tokens)
     fwd.add("boundary", boundary)
     fwd.add("calls", prof.call_latency_s + prof.efficiency.get("call_s", 0.0))
     if not ft.trains("vision"):  # a frozen ViT: the trainer sends no gradient back and calls no backward
@@ -206,23 +260,24 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload) -> tuple[CallCos
     return fwd, bwd
 
 
-def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload) -> CallCost:
-    """One text forward + backward on one rank."""
+def text_call(cfg: Any, mc: Any, prof: Profile, w: Workload | MicroBatchShape) -> CallCost:
+    """One text forward + backward on one rank: `w`'s micro-batch (`MicroBatchShape.uniform`) or the given
+    one."""
     from dhp.models.parallel.layouts import stage_layout
     from dhp.models.planning import flops
 
     tc, s = mc.text_config, cfg.text
     layout = stage_layout(cfg, "text", mc)
     share, b = 1.0 / layout.work_shards, _bytes(cfg, "text")
-    samples = samples_per_microbatch(cfg, w)
-    length, layers = w.sample_tokens, tc.num_hidden_layers
-    tokens = length * samples
+    mb = _shape(cfg, w)
+    layers = tc.num_hidden_layers
+    tokens = mb.tokens
     width = tc.hidden_size / layout.width_shards  # TP: narrower matmuls
     linear = flops.text_linear_flops_per_token(tc) * tokens * share / prof.matmul_rate(width)
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    causal = 0.5 * 4 * tc.num_attention_heads * head_dim * layers * length * length * samples * share
+    causal = 0.5 * 4 * tc.num_attention_heads * head_dim * layers * mb.attention_pairs * share
     attention = causal / prof.attention_rate("causal_attention", head_dim)
-    head = flops.lm_head_flops_per_token(tc) * w.text_tokens * samples * share / prof.matmul_rate(tc.hidden_size)
+    head = flops.lm_head_flops_per_token(tc) * sum(mb.text_tokens) * share / prof.matmul_rate(tc.hidden_size)
     recompute = _recomputed_share(s, layers)
     ft = FineTuning(cfg)
     weights_train = ft.groups["text"].trains and ft.lora is None  # frozen / LoRA base: input gradients only
@@ -363,21 +418,48 @@ def _devices(cfg: Any, prof: Profile) -> tuple[Any, Any]:
 
 
 def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
-    """The predicted step: seconds, its parts (per pool, per micro-batch call and per step), the simulated
-    makespan and bubble, vision tokens/s."""
+    """The predicted step of `w`: every text replica's share of the global batch in micro-batches of
+    `samples_per_microbatch` samples, each one image of `w.image_patches` (`step_time_of`)."""
+    from dhp.models.parallel.checks import replicas
+
+    dt = replicas(cfg, "text")
+    samples = samples_per_microbatch(cfg, w)
+    per_text = -(-cfg.training.global_batch_size // dt)
+    mb = MicroBatchShape.uniform(cfg, w)
+    batches = [[mb] * -(-per_text // samples) for _ in range(dt)]
+    result = step_time_of(cfg, mc, prof, batches, vision_patches=cfg.training.global_batch_size * w.image_patches)
+    return {**result, "image_patches": w.image_patches, "text_tokens": w.text_tokens}
+
+
+def step_time_of(
+    cfg: Any, mc: Any, prof: Profile, batches: list[list[MicroBatchShape]], vision_patches: int | None = None
+) -> dict[str, Any]:
+    """The predicted step of one global batch, `batches[t]` the micro-batches of text replica t in the order
+    its loader makes them: seconds, its parts (per pool, per micro-batch call and per step), the simulated
+    makespan and bubble, vision tokens/s (`vision_patches`, default the batches' patches, over the step).
+    Each micro-batch's calls cost what its own sizes cost; the pipeline schedule of `routing.route` places
+    them. `per_call_s` are the calls of the micro-batch with the most patches (the one memory is planned for)."""
     from dhp.models.parallel.checks import replicas
     from dhp.models.parallel.layouts import stage_layout
     from dhp.models.parallel.routing import route, simulate_calls
+    from dhp.models.parallel.schedule import TEXT_FORWARD_BACKWARD, VISION_BACKWARD, VISION_FORWARD
 
     vl, tl = stage_layout(cfg, "vision", mc), stage_layout(cfg, "text", mc)
     dv, dt = replicas(cfg, "vision"), replicas(cfg, "text")
-    samples = samples_per_microbatch(cfg, w)
-    per_text = -(-cfg.training.global_batch_size // dt)
-    m = -(-per_text // samples)
-    fwd, bwd = vision_calls(cfg, mc, prof, w)
-    text = text_call(cfg, mc, prof, w)
+    if len(batches) != dt:
+        raise ValueError(f"{len(batches)} text replicas' micro-batches for a text pool of {dt} replicas")
+    costs: dict[MicroBatchShape, tuple[CallCost, CallCost, CallCost]] = {}  # once per distinct micro-batch
+    for mbs in batches:
+        for mb in mbs:
+            if mb not in costs:
+                costs[mb] = (*vision_calls(cfg, mc, prof, mb), text_call(cfg, mc, prof, mb))
+    shape_of = {(t, i): mb for t, mbs in enumerate(batches) for i, mb in enumerate(mbs)}
+    seconds = {
+        kind: {k: costs[mb][j].total for k, mb in shape_of.items()}
+        for j, kind in enumerate((VISION_FORWARD, VISION_BACKWARD, TEXT_FORWARD_BACKWARD))
+    }
     calls = route(
-        [[w.image_patches * samples] * m for _ in range(dt)], dv, vl.lockstep, tl.lockstep, cfg.pipeline.max_in_flight
+        [[mb.patches for mb in mbs] for mbs in batches], dv, vl.lockstep, tl.lockstep, cfg.pipeline.max_in_flight
     )
     v_dev, t_dev = _devices(cfg, prof)
 
@@ -389,7 +471,9 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
             else {dev(r) for r, _ in call.members}
         )
 
-    makespan, busy = simulate_calls(calls, fwd.total, text.total, bwd.total, resources)
+    makespan, busy = simulate_calls(
+        calls, seconds[VISION_FORWARD], seconds[TEXT_FORWARD_BACKWARD], seconds[VISION_BACKWARD], resources
+    )
     extras = {stage: step_extras(cfg, mc, prof, stage) for stage in ("vision", "text")}
     shared = prof.kind == "cpu" or cfg.pipeline.shared
     tail = {
@@ -397,21 +481,29 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
         for k in ("grad_sync", "optimizer")
     }
     step = makespan + sum(tail.values())
+    # Parts per rank: each call's parts are its slowest member's (a lockstep call waits for it); the calls of
+    # one shape counted together, spread over the units that run them
+    units = {"vision": 1 if vl.lockstep else dv, "text": 1 if tl.lockstep else dt}
+    counts: dict[MicroBatchShape, list[int]] = {mb: [0, 0] for mb in costs}
+    for call in calls:
+        slowest = max(call.keys(), key=lambda k: seconds[call.kind][k])
+        if call.kind != VISION_BACKWARD:
+            counts[shape_of[slowest]][call.stage == "text"] += 1
     parts: dict[str, float] = {}
-    units = {"vision": 1 if vl.lockstep else dv, "text": 1 if tl.lockstep else dt}  # calls spread over these
-    n_calls = {
-        "vision": sum(c.stage == "vision" for c in calls) / 2 / units["vision"],
-        "text": sum(c.stage == "text" for c in calls) / units["text"],
-    }
-    for stage, costs in (("vision", (fwd, bwd)), ("text", (text,))):
-        for c in costs:
-            for part, sec in c.parts.items():
-                key = f"{stage}.{part}"
-                parts[key] = parts.get(key, 0.0) + sec * n_calls[stage]
+    for stage in ("vision", "text"):
+        for mb, (fwd, bwd, text) in costs.items():
+            n = counts[mb][stage == "text"] / units[stage]
+            for c in (fwd, bwd) if stage == "vision" else (text,):
+                for part, sec in c.parts.items():
+                    key = f"{stage}.{part}"
+                    parts[key] = parts.get(key, 0.0) + sec * n
         for k, sec in extras[stage].items():
             parts[f"{stage}.{k}"] = sec
     bubble = makespan - max(busy.values(), default=0.0)
-    patches = cfg.training.global_batch_size * w.image_patches
+    every = [mb for mbs in batches for mb in mbs]
+    largest = max(every, key=lambda mb: (mb.patches, mb.tokens))
+    fwd, bwd, text = costs[largest]
+    patches = sum(mb.patches for mb in every) if vision_patches is None else vision_patches
     return {
         "step_s": step,
         "vision_tokens_per_s": patches / step,
@@ -419,11 +511,10 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
         "makespan_s": makespan,
         "bubble_s": bubble,
         "tail_s": tail,
-        "microbatches_per_text_replica": m,
-        "samples_per_microbatch": samples,
+        "microbatches_per_text_replica": max(map(len, batches)),
+        "samples_per_microbatch": largest.samples,
+        "largest_microbatch_patches": largest.patches,
         "per_call_s": {"vision_forward": fwd.total, "text": text.total, "vision_backward": bwd.total},
         "parts_s": parts,
         "profile": prof.name,
-        "image_patches": w.image_patches,
-        "text_tokens": w.text_tokens,
     }
