@@ -3,7 +3,8 @@
 Runs inside Ray Data workers (never in the trainer actors). Every step uses transformers' own pieces:
 `Qwen2VLImageProcessorPil` (smart_resize within min/max pixels, normalise, 14x14x2 patchify), the Qwen2.5
 tokenizer and chat template, and `get_rope_index` for the 3-D mRoPE positions. A record's video (`"video"`, one
-`<video>` in the text) is decoded, sampled and patchified by dataflow/video.py.
+`<video>` in the text) is decoded by dataflow/video.py, then sampled, patchified and written into the text as the
+model family's video format says (dataflow/video_formats.py: Qwen3-VL writes a timestamp before each temporal patch).
 
 Output of `Preprocessor.__call__` (one Ray Data row):
     source  str    where the record came from ("file:line")
@@ -35,7 +36,8 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from dhp.dataflow.storage import filesystem, is_uri, resolve, scheme_of
-from dhp.dataflow.video import BadVideo, VideoSettings, decode_video, frame_list, video_patches
+from dhp.dataflow.video import BadVideo, VideoSettings, decode_frames
+from dhp.dataflow.video_formats import VIDEO_TEXT, SampledVideo
 from dhp.errors import one_line
 
 IGNORE_INDEX = -100
@@ -156,19 +158,14 @@ class Preprocessor:
             merge_size=vc.spatial_merge_size,
         )
         self.tokenizer = load_backend(settings.tokenizer_path)  # tokenizers' object: what transformers' wraps
-        self.rope_positions = family_of(model_config).rope_positions  # the model family's mRoPE positions
+        family = family_of(model_config)
+        self.rope_positions = family.rope_positions  # the model family's mRoPE positions
+        # how the family samples, sizes and writes a video (dataflow/video_formats.py)
+        self.video_format = family.video_format
         self.merge_unit = vc.spatial_merge_size**2
         self.pad_id = self.tokenizer.token_to_id("<|image_pad|>")
         self.video_pad_id = self.tokenizer.token_to_id("<|video_pad|>")
-        # Frames go through the same PIL image processor as images, within the video pixel bounds
-        # (dataflow/video.py says why).
-        self.frame_processor = Qwen2VLImageProcessorPil(
-            min_pixels=settings.video.min_pixels,
-            max_pixels=settings.video.max_pixels,
-            patch_size=vc.patch_size,
-            temporal_patch_size=vc.temporal_patch_size,
-            merge_size=vc.spatial_merge_size,
-        )
+        self.video_patches = self.video_format.patcher(settings.video, vc)
         self.temporal = vc.temporal_patch_size
         self.im_end_id = self.tokenizer.token_to_id("<|im_end|>")
         # The same filesystem code as the annotation reads; one per URI scheme, made once per worker.
@@ -218,11 +215,12 @@ class Preprocessor:
             grids = out["image_grid_thw"].astype(np.int64)
             image_pixels = np.split(out["pixel_values"].astype(np.float32), grids.prod(-1).cumsum()[:-1])
             image_grids = list(grids)
-        videos, seconds = [], []
+        videos, seconds, video_texts = [], [], []
         if video_ref is not None:
-            pixels, grid, second = self.load_video(video_ref, video)
+            pixels, grid, sampled = self.load_video(video_ref, video)
             videos.append((pixels, grid))
-            seconds.append(second)
+            seconds.append(self.temporal / sampled.sampled_fps)
+            video_texts.append(self.video_format.text(sampled, grid, self.merge_unit, self.temporal))
         # The visuals in the order of their placeholders (module docstring).
         kinds = [m.group() for _, v in turns for m in PLACEHOLDERS.finditer(v)]
         own_images, own_videos = iter(zip(image_pixels, image_grids)), iter(videos)
@@ -234,7 +232,13 @@ class Preprocessor:
             pixel_values = np.zeros((0, 3 * self.temporal * self.config.vision_config.patch_size**2), np.float32)
             grid = np.zeros((0, 3), np.int64)
         is_video = np.array([k == VIDEO_PLACEHOLDER for k in kinds], bool)
-        input_ids, labels = self.tokenize(turns, (grid.prod(-1) // self.merge_unit).tolist(), is_video.tolist())
+        # the pad runs in text order: an image's one, a video's as its format writes it
+        own_texts, runs, run_is_video = iter(video_texts), [], []
+        for g, v in zip(grid, is_video):
+            counts = next(own_texts)[1] if v else [int(g.prod()) // self.merge_unit]
+            runs += counts
+            run_is_video += [bool(v)] * len(counts)
+        input_ids, labels = self.tokenize(turns, runs, run_is_video, [text for text, _ in video_texts])
         if len(input_ids) > self.settings.max_seq_len:
             raise SkipSample("too_long", f"{len(input_ids)} tokens > data.max_seq_len={self.settings.max_seq_len}")
         ids, image_grid = torch.from_numpy(input_ids), torch.from_numpy(grid[~is_video])
@@ -252,24 +256,30 @@ class Preprocessor:
             "second_per_grid_ts": np.asarray(seconds, np.float64),
         }
 
-    def load_video(self, ref: str | list[str], data: bytes | None) -> tuple[np.ndarray, np.ndarray, float]:
-        """A record's video (a file, its bytes `data`, or a list of frame files) -> (pixel_values, grid [3],
-        second_per_grid_ts), or the skip that names where it came from (dataflow/video.py)."""
+    def load_video(self, ref: str | list[str], data: bytes | None) -> tuple[np.ndarray, np.ndarray, SampledVideo]:
+        """A record's video (a file, its bytes `data`, or a list of frame files) -> (pixel_values, grid [3], its
+        sampled frames), or the skip that names where it came from (dataflow/video.py)."""
         s = self.settings.video
+
+        def sample(total: int, fps: float) -> list[int]:
+            return self.video_format.sample(total, fps, s, self.temporal)
+
         where = ref if isinstance(ref, str) else f"{ref[0]} and {len(ref) - 1} more frames"
         try:
             if isinstance(ref, list):
-                frames, fps = frame_list([self.load_image(p, "frame") for p in ref], s, self.temporal)
+                images = [self.load_image(p, "frame") for p in ref]
+                keep = sample(len(images), s.frames_fps)
+                video = SampledVideo([images[i] for i in keep], keep, len(images), s.frames_fps)
             else:
                 if data is None:
                     where, data = self.read(ref, "video")
-                frames, fps = decode_video(data, s, self.temporal)
-            pixels, grid = video_patches(frames, self.frame_processor, self.temporal)
+                video = SampledVideo(*decode_frames(data, sample))
+            pixels, grid = self.video_patches(video.frames)
         except BadVideo as e:
             raise SkipSample(e.reason, f"{where}: {e}") from None
-        except ValueError as e:  # smart_resize refuses aspect ratios beyond 200:1
+        except ValueError as e:  # smart_resize refuses aspect ratios beyond 200:1 (Qwen3-VL: and a single frame)
             raise SkipSample("bad_video_shape", f"{where}: {e}") from None
-        return pixels, grid[0], self.temporal / fps
+        return pixels, grid[0], video
 
     def read(self, rel_path: str, kind: str = "image") -> tuple[str, bytes]:
         """(where, bytes) of a path relative to `image_root`, or of an absolute URI, through the pyarrow
@@ -318,24 +328,29 @@ class Preprocessor:
         return image  # the image processor's convert_to_rgb blends transparency onto white, as upstream
 
     def tokenize(
-        self, turns: list[tuple[str, str]], visual_tokens: list[int], is_video: list[bool] | None = None
+        self,
+        turns: list[tuple[str, str]],
+        visual_tokens: list[int],
+        is_video: list[bool] | None = None,
+        video_texts: list[str] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Chat template -> ids with each <image> / <video> expanded to its <|image_pad|> / <|video_pad|> run;
-        labels on replies. `visual_tokens`: the merged tokens of each visual in placeholder order, `is_video`
-        which of them are videos (None: all images).
+        """Chat template -> ids with each <image> / <video> expanded to its <|image_pad|> / <|video_pad|> runs;
+        labels on replies. `visual_tokens`: the merged tokens of each pad run in text order, `is_video` which of
+        them are video runs (None: all images), `video_texts` what each <video> becomes, one `<|video_pad|>` a run
+        (None: `<|vision_start|><|video_pad|><|vision_end|>`).
 
         Each visual is rendered as a single pad token (the chat template's form) and expanded after
         tokenisation: cheaper than tokenising thousands of pad tokens, and pad tokens never merge.
         """
         is_video = is_video or [False] * len(visual_tokens)
         image = "<|vision_start|><|image_pad|><|vision_end|>"
-        video = "<|vision_start|><|video_pad|><|vision_end|>"
+        videos = iter(video_texts or [VIDEO_TEXT] * sum(is_video))
         pieces: list[tuple[str, bool]] = [(f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n", False)]
         for role, value in turns:
             if role == "assistant":
                 pieces += [("<|im_start|>assistant\n", False), (value + "<|im_end|>", True), ("\n", False)]
             else:
-                value = value.replace(IMAGE_PLACEHOLDER, image).replace(VIDEO_PLACEHOLDER, video)
+                value = PLACEHOLDERS.sub(lambda m: image if m.group() == IMAGE_PLACEHOLDER else next(videos), value)
                 pieces.append((f"<|im_start|>{role}\n{value}<|im_end|>\n", False))
         text = "".join(p for p, _ in pieces)
         spans, pos = [], 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,15 @@ def sample_indices(total: int, video_fps: float, s: VideoSettings, temporal: int
 
 def decode_video(data: bytes, s: VideoSettings, temporal: int = 2) -> tuple[list[Image.Image], float]:
     """A video file's bytes -> (its sampled frames as RGB images, sampled fps); `BadVideo` if it does not decode."""
+    frames, keep, total, rate = decode_frames(data, lambda total, rate: sample_indices(total, rate, s, temporal))
+    return frames, len(keep) / total * rate
+
+
+def decode_frames(
+    data: bytes, sample: Callable[[int, float], list[int]]
+) -> tuple[list[Image.Image], list[int], int, float]:
+    """A video file's bytes -> (the frames `sample(total, fps)` keeps, their indices, total frames, fps);
+    `BadVideo` if it does not decode."""
     import av
 
     try:
@@ -90,7 +100,7 @@ def decode_video(data: bytes, s: VideoSettings, temporal: int = 2) -> tuple[list
                 container.seek(0)
             if total <= 0:
                 raise BadVideo("corrupt_video", "no frames")
-            keep = sample_indices(total, float(rate), s, temporal)
+            keep = sample(total, float(rate))
             wanted, frames = set(keep), {}
             for i, frame in enumerate(container.decode(stream)):
                 if i in wanted:
@@ -104,7 +114,7 @@ def decode_video(data: bytes, s: VideoSettings, temporal: int = 2) -> tuple[list
     if len(frames) != len(wanted):
         # the container promised more frames than it holds (a truncated file)
         raise BadVideo("corrupt_video", f"{len(frames)} of {len(wanted)} sampled frames decode")
-    return [frames[i] for i in keep], len(keep) / total * float(rate)
+    return [frames[i] for i in keep], keep, total, float(rate)
 
 
 def frame_list(images: list[Image.Image], s: VideoSettings, temporal: int = 2) -> tuple[list[Image.Image], float]:

@@ -54,7 +54,8 @@ class VisionModel(qwen2_5_vl.VisionModel):
 
 
 class TextModel(qwen2_5_vl.TextModel):
-    """Token ids + boundary rows -> loss: the merged embeddings scattered into `<|image_pad|>` positions and the
+    """Token ids + boundary rows -> loss: the merged embeddings scattered into `<|image_pad|>` and `<|video_pad|>`
+    positions (in text order) and the
     DeepStack features added to the outputs of the first k decoder layers there, as `Qwen3VLModel.forward` does
     (`visual_pos_masks`, `Qwen3VLTextModel._deepstack_process`). The loss, packing and the layer list are
     Qwen2.5-VL's (the parent class)."""
@@ -76,11 +77,12 @@ class TextModel(qwen2_5_vl.TextModel):
         """[B, L] ids, [N_img_tokens, (1 + k) * H] boundary rows, [3, B, L] positions, [B, L] mask -> [B, L, H]."""
         embeds = self.language_model.embed_tokens(input_ids)
         width = embeds.shape[-1]
-        image_mask = input_ids == self.image_token_id
+        # images and videos alike, in text order: `Qwen3VLModel.forward`'s image and video masks joined
+        image_mask = (input_ids == self.image_token_id) | (input_ids == self.video_token_id)
         if int(image_mask.sum()) != vision_embeds.shape[0] or vision_embeds.shape[-1] != width * (1 + self.deepstack):
             raise ValueError(
-                f"{int(image_mask.sum())} <|image_pad|> tokens of width {width} and {self.deepstack} DeepStack "
-                f"features, but boundary rows of shape {tuple(vision_embeds.shape)}"
+                f"{int(image_mask.sum())} <|image_pad|> / <|video_pad|> tokens of width {width} and "
+                f"{self.deepstack} DeepStack features, but boundary rows of shape {tuple(vision_embeds.shape)}"
             )
         deepstack = None
         if vision_embeds.shape[0]:
@@ -105,20 +107,23 @@ def rope_positions(
     video_grid_thw: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """3-D mRoPE position ids [3, L] of one unpadded sample of images and text, computed by transformers'
+    """3-D mRoPE position ids [3, L] of one unpadded sample of images, videos and text, computed by transformers'
     `get_rope_index` (a method of `Qwen3VLModel` that reads only `config` and `get_vision_position_ids`: a stand-in
-    `self` suffices). Videos (Qwen3-VL places their frames by timestamp tokens) are not taken yet."""
+    `self` suffices). It places each temporal patch of a video as an image of its own: the time is in the text's
+    timestamps (dataflow/video_formats.py), so `second_per_grid_ts` is not read."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
-    if video_grid_thw is not None and video_grid_thw.numel():
-        raise ValueError("video input is not supported for Qwen3-VL models yet")
 
     stand_in = types.SimpleNamespace(
         config=config,
         get_vision_position_ids=functools.partial(Qwen3VLModel.get_vision_position_ids, None),
     )
     ids = input_ids.view(1, -1)
-    token_types = (ids == config.image_token_id).int()
+    # mm_token_type_ids: text 0, image 1, video 2 (get_rope_index's convention)
+    token_types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
     grid = image_grid_thw if image_grid_thw.numel() else None
-    positions, _ = Qwen3VLModel.get_rope_index(stand_in, ids, mm_token_type_ids=token_types, image_grid_thw=grid)
+    # get_rope_index splits the video grids into their temporal patches in place: it gets a copy
+    videos = video_grid_thw.clone() if video_grid_thw is not None and video_grid_thw.numel() else None
+    positions, _ = Qwen3VLModel.get_rope_index(
+        stand_in, ids, mm_token_type_ids=token_types, image_grid_thw=grid, video_grid_thw=videos
+    )
     return positions[:, 0]

@@ -26,7 +26,7 @@ from PIL import Image
 
 from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings
 from dhp.dataflow.synth import write_mp4, write_synthetic_dataset
-from dhp.dataflow.video import VideoSettings, decode_video, sample_indices, video_patches
+from dhp.dataflow.video import VideoSettings, decode_video, sample_indices
 from dhp.dataflow.webdataset import shard_rows
 from dhp.models.architectures import architecture_config
 from dhp.models.qwen2_5_vl import rope_positions
@@ -145,8 +145,8 @@ def test_patches_match_transformers_layout(pre, n):
     """Frames resized and normalised by transformers' PIL image processor, patchified by the video processor's
     `patchify` (an odd count: its last frame repeated) == dhp's `video_patches`, bit for bit."""
     frames = noise_frames(n, (100, 70))
-    pixels, grid = video_patches(frames, pre.frame_processor, 2)
-    p = pre.frame_processor
+    pixels, grid = pre.video_patches(frames)
+    p = pre.video_patches.keywords["frame_processor"]
     from transformers.image_utils import SizeDict
 
     size = SizeDict(shortest_edge=p.size["shortest_edge"], longest_edge=p.size["longest_edge"])
@@ -171,7 +171,7 @@ def test_pixels_match_the_video_processor(root, pre):
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     frames, _ = decode_video((root / "clip.mp4").read_bytes(), SETTINGS)
-    pixels, grid = video_patches(frames, pre.frame_processor, 2)
+    pixels, grid = pre.video_patches(frames)
     processor = Qwen2VLVideoProcessor(min_pixels=SETTINGS.min_pixels, max_pixels=SETTINGS.max_pixels)
     out = processor(videos=[np.stack([np.asarray(f) for f in frames])], do_sample_frames=False, return_tensors="pt")
     assert out["video_grid_thw"].tolist() == grid.tolist()

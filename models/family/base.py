@@ -134,6 +134,13 @@ class ModelFamily:
         (`video`: the video grids and seconds per temporal patch, where the family's positions take them)."""
         raise NotImplementedError
 
+    @property
+    def video_format(self) -> Any:
+        """How the data pipeline samples, sizes and writes this family's videos (dataflow/video_formats.py)."""
+        from dhp.dataflow.video_formats import VIDEO_FORMAT
+
+        return VIDEO_FORMAT
+
     # --- layouts -----------------------------------------------------------------------------------------
 
     def check_layout(self, stage: str, parallelism: str) -> str | None:

@@ -190,5 +190,12 @@ class Qwen3_VL(ModelFamily):
 
         return rope_positions(input_ids, image_grid_thw, model_config, *video)
 
+    @property
+    def video_format(self) -> Any:
+        # a timestamp in the text before each temporal patch; positions per temporal patch, as for an image
+        from dhp.dataflow.video_formats import QWEN3_VIDEO_FORMAT
+
+        return QWEN3_VIDEO_FORMAT
+
 
 QWEN3_VL = Qwen3_VL()
