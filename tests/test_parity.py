@@ -188,33 +188,47 @@ def test_steps_match_transformers(parity_setup, plan_sample, trainers, tmp_path,
 # sequence parallelism with an all-to-all in every block (sp4: the 6 x 4-patch image cut into pieces of one or
 # two merge units); fan-out: one SP-2 vision replica serving two TP-2 text replicas.
 QWEN3_LAYOUTS = [
-    pytest.param([], [[[0, 2], [1]]], id="1v1t"),
-    pytest.param(SP2 + TP2, [[[0, 2], [1]]], id="sp2-tp2"),
+    pytest.param([], [[[0, 2], [1]]], False, id="1v1t"),
+    pytest.param(SP2 + TP2, [[[0, 2], [1]]], True, id="sp2-tp2"),
     pytest.param(
-        ["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2, [[[0, 2], [1]]], id="tp2-tp2"
+        ["vision.parallelism=tensor", "vision.num_actors=2", "vision.degree=2"] + TP2,
+        [[[0, 2], [1]]],
+        True,
+        id="tp2-tp2",
     ),
     pytest.param(
-        ["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2, [[[0], [1, 2]]], id="sp4-tp2"
+        ["vision.parallelism=sequence", "vision.num_actors=4", "vision.degree=4"] + TP2,
+        [[[0], [1, 2]]],
+        False,
+        id="sp4-tp2",
     ),
-    pytest.param(SP2 + TP2 + AC_FULL, [[[0, 2], [1]]], id="sp2-tp2-ac"),
+    pytest.param(SP2 + TP2 + AC_FULL, [[[0, 2], [1]]], False, id="sp2-tp2-ac"),
     pytest.param(
         ["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=zero3", "text.num_actors=2"],
         [[[0], [2]], [[1]]],
+        False,
         id="zero3-zero3",
     ),
     pytest.param(
         SP2 + ["text.parallelism=tensor", "text.num_actors=4", "text.degree=2"],
         [[[0], [2]], [[1]]],
+        False,
         id="fanout-sp2-2xtp2",
     ),
 ]
 
 
-@pytest.mark.parametrize(("layout", "replicas"), by_pool_shape(QWEN3_LAYOUTS))
-def test_qwen3_vl_steps_match_transformers(qwen3_parity_setup, trainers, tmp_path, layout, replicas):
+@pytest.mark.parametrize(("layout", "replicas", "planned"), by_pool_shape(QWEN3_LAYOUTS))
+def test_qwen3_vl_steps_match_transformers(qwen3_parity_setup, trainers, tmp_path, layout, replicas, planned):
     """Qwen3-VL's parity with `Qwen3VLForConditionalGeneration`: the boundary carries the merged embeddings and the
-    DeepStack features of each text rank's positions, their gradients come back; the export loads in transformers."""
-    params = check_parity(qwen3_parity_setup, tmp_path, layout, replicas, trainers=trainers)
+    DeepStack features of each text rank's positions, their gradients come back; the export loads in transformers.
+    `planned`: then the memory plan against what the ranks keep for one more step, of the 26 x 30-patch image's
+    sample (tests/test_plan_measured.py: full attention in every block, the position embedding, the DeepStack
+    mergers)."""
+    from tests.test_plan_measured import plan_probe  # which imports this module
+
+    probe = plan_probe(qwen3_parity_setup[2][0], len(replicas)) if planned else None
+    params = check_parity(qwen3_parity_setup, tmp_path, layout, replicas, probe, trainers=trainers)
     assert any("deepstack_merger_list" in n for n in params)
 
 

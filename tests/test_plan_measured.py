@@ -97,7 +97,7 @@ def check_plan(trainer, sample: dict, replicas: int) -> None:
     cfg, model_config = trainer.cfg, trainer.model_config
     for _, pool in trainer.pools():
         pool.execute_all("measure_activations", True)
-    trainer.accumulate([GlobalBatch([_microbatch([sample], cfg)], epoch=0) for _ in range(replicas)])
+    trainer.accumulate([GlobalBatch([_microbatch([sample], cfg, model_config)], epoch=0) for _ in range(replicas)])
     ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
     before = {s: pool.execute_all("state_bytes") for s, pool in trainer.pools()}
     trainer.optimizer_step()

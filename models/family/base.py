@@ -86,6 +86,13 @@ class ModelFamily:
 
     # Linears of one vision block's MLP: 3 for a gated MLP (gate, up, down), 2 for a plain one (the FLOP count)
     vision_mlp_linears: ClassVar[int] = 3
+    # The vision blocks' and mergers' norms: LayerNorm (weight and bias; keeps mean and rstd) or RMSNorm (the
+    # memory plan's saved-tensor count, models/parallel/layout.py `VitShape`)
+    vision_layer_norm: ClassVar[bool] = False
+
+    def vision_position_embeddings(self, vision_config: Any) -> int:
+        """Rows of the ViT's learned absolute position embedding (0: none, rotary positions only)."""
+        return 0
 
     def deepstack_indexes(self, vision_config: Any) -> list[int]:
         """Vision blocks whose outputs (through their own mergers) are added to the first decoder layers."""

@@ -124,6 +124,7 @@ class Qwen3_VL(ModelFamily):
     layouts = {"vision": ("none", "sequence", "tensor", "zero3"), "text": ("none", "tensor", "zero3")}
     token_ids = QWEN_VL_TOKEN_IDS
     vision_mlp_linears = 2  # linear_fc1, linear_fc2
+    vision_layer_norm = True
     text_head_norms = ("q_norm", "k_norm")
 
     @property
@@ -143,6 +144,9 @@ class Qwen3_VL(ModelFamily):
 
     def full_attention_blocks(self, vision_config: Any) -> list[int]:
         return list(range(vision_config.depth))
+
+    def vision_position_embeddings(self, vision_config: Any) -> int:
+        return vision_config.num_position_embeddings
 
     def deepstack_indexes(self, vision_config: Any) -> list[int]:
         return list(vision_config.deepstack_visual_indexes)

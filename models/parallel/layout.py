@@ -91,48 +91,110 @@ def pool_ranks(rank: int, world_size: int, degree: int, device: torch.device) ->
     return PoolRanks(rank, world_size, degree, replica, model_rank, model_group, dp_group, device)
 
 
-class VitShape(NamedTuple("VitShape", [(f, int) for f in ("depth", "full", "d", "h", "i", "o")])):
-    """The ViT dimensions the byte formulas need: depth, full-attention blocks, hidden, heads, MLP, out."""
+class VitShape(NamedTuple):
+    """The ViT dimensions the byte formulas need: depth, full-attention blocks, hidden, heads, MLP, out; and what
+    differs between families: values per patch, a gated MLP (three Linears) or a plain one (two), LayerNorm
+    (weight and bias; keeps mean and rstd) or RMSNorm, learned position-embedding rows (0: none) and DeepStack
+    mergers. The defaults are Qwen2.5-VL's."""
+
+    depth: int
+    full: int
+    d: int
+    h: int
+    i: int
+    o: int
+    pixels: int = PIXELS
+    gated: bool = True
+    layer_norm: bool = False
+    pos_embed: int = 0
+    deepstack: int = 0
 
     @classmethod
     def of(cls, vc: Any) -> VitShape:
-        """The shape of a vision config (its family says which blocks attend over whole images), or of a dict of
-        Qwen2.5-VL vision config values (the benchmarks' shapes)."""
+        """The shape of a vision config (its family says which blocks attend over whole images, which MLP and
+        norm its blocks have, which mergers it has), or of a dict of Qwen2.5-VL vision config values (the
+        benchmarks' shapes)."""
         if isinstance(vc, dict):
             dims = (vc[k] for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
             return cls(vc["depth"], len(vc["fullatt_block_indexes"]), *dims)
         from dhp.models.family import family_of
 
+        family = family_of(vc)
         dims = (getattr(vc, k) for k in ("hidden_size", "num_heads", "intermediate_size", "out_hidden_size"))
-        return cls(vc.depth, len(family_of(vc).full_attention_blocks(vc)), *dims)
+        return cls(
+            vc.depth,
+            len(family.full_attention_blocks(vc)),
+            *dims,
+            pixels=vc.in_channels * vc.temporal_patch_size * vc.patch_size**2,
+            gated=family.vision_mlp_linears == 3,
+            layer_norm=family.vision_layer_norm,
+            pos_embed=family.vision_position_embeddings(vc),
+            deepstack=len(family.deepstack_indexes(vc)),
+        )
+
+    @property
+    def windowed(self) -> bool:
+        """Some blocks attend inside windows: the merged tokens run in window order (an index and its inverse)."""
+        return self.full < self.depth
+
+    @property
+    def mergers(self) -> int:
+        """The merger and the DeepStack mergers (one shape)."""
+        return 1 + self.deepstack
 
     def param_rows(self) -> list[tuple[int, int]]:
-        """(dim-0 rows, elements per row) of every ViT parameter: patch embed, blocks, merger."""
+        """(dim-0 rows, elements per row) of every ViT parameter: patch embed, position embedding, blocks, mergers."""
         d, i, o = self.d, self.i, self.o
-        norms, attn = [(d, 1), (d, 1)], [(3 * d, d), (3 * d, 1), (d, d), (d, 1)]
-        mlp = [(i, d), (i, 1), (i, d), (i, 1), (d, i), (d, 1)]
-        merger = [(d, 1), (4 * d, 4 * d), (4 * d, 1), (o, 4 * d), (o, 1)]
-        return [(d, PIXELS), *(norms + attn + mlp) * self.depth, *merger]
+        norm = [(d, 1)] * (2 if self.layer_norm else 1)  # weight (and bias)
+        attn = [(3 * d, d), (3 * d, 1), (d, d), (d, 1)]
+        mlp = [(i, d), (i, 1)] * (2 if self.gated else 1) + [(d, i), (d, 1)]
+        linears = [(4 * d, 4 * d), (4 * d, 1), (o, 4 * d), (o, 1)]
+        merger = norm + linears  # its norm before the 2 x 2 merge
+        # a DeepStack merger's norm runs after the merge, over 4D
+        deepstack = [(4 * d, 1)] * (2 if self.layer_norm else 1) + linears
+        embed = [(d, self.pixels)] + [(d, 1)] * self.layer_norm + [(self.pos_embed, d)] * bool(self.pos_embed)
+        return [*embed, *(norm + norm + attn + mlp) * self.depth, *merger, *deepstack * self.deepstack]
 
     def params(self, pad_to: int = 1) -> int:
         """Parameter count; with pad_to=N, each padded to a multiple of N rows, as FSDP2 shards them."""
         return sum(-(-rows // pad_to) * pad_to * per_row for rows, per_row in self.param_rows())
 
     def replicated_params(self) -> int:
-        """Replicated under ViT tensor parallelism: norms, row-parallel biases, patch embed, ln_q, merger bias."""
-        return PIXELS * self.d + self.depth * 4 * self.d + self.d + self.o
+        """Replicated under ViT tensor parallelism: patch embed, position embedding, norms, row-parallel biases,
+        the mergers' norms and output biases."""
+        n = 2 if self.layer_norm else 1
+        embed = self.pixels * self.d + self.layer_norm * self.d + self.pos_embed * self.d
+        blocks = self.depth * (2 * n * self.d + 2 * self.d)
+        return embed + blocks + n * self.d + self.o + self.deepstack * (n * 4 * self.d + self.o)
 
     def activation_elements(self, recomputed: int = 0) -> tuple[float, float]:
         """(replicated, shardable) saved-for-backward elements per patch, counted from transformers' modules;
-        `recomputed` blocks (activation checkpointing) keep only their input, [P, D]."""
+        `recomputed` blocks (activation checkpointing) keep only their input, [P, D]. Integer indices are
+        `index_bytes`."""
         hd, d = self.d // self.h, self.d
-        norm = 3 * d + 1  # RMSNorm keeps x, rsqrt, x * rsqrt; its output is saved by the next Linear
+        # RMSNorm keeps x, rsqrt, x * rsqrt; LayerNorm x, mean, rstd; the output is saved by the next Linear
+        norm = 2 * d + 2 if self.layer_norm else 3 * d + 1
         attn = 7 * d + self.h  # q_rot, k_rot, the qkv output (v is a view of it), attention out, proj input; lse
-        mlp = 4 * self.i  # gate, act(gate), up, act * up
-        merger_mlp = 2 * d  # GELU input and output, [P/4, 4D] each
+        mlp = 4 * self.i if self.gated else 2 * self.i  # gate, act(gate), up, act * up; or fc1 out, act(fc1 out)
+        merger_mlp = 2 * d  # GELU input and output, [P/4, 4D] each, per merger
+        # a DeepStack merger's norm takes a block's output (kept anyway) after the merge: its output, mean, rstd
+        deepstack = self.deepstack * (d + (2 if self.layer_norm else 1) / 4)
+        position = 4 if self.pos_embed else 0  # the 4 bilinear weights of each patch's position embedding
         kept = self.depth - recomputed
-        full = PIXELS + 2 * hd + kept * 2 * norm + norm + recomputed * d  # pixels, cos/sin, the norms, ln_q
-        return full, kept * (attn + mlp) + merger_mlp
+        # pixels, cos/sin, the norms, the merger's norm
+        full = self.pixels + position + 2 * hd + kept * 2 * norm + norm + recomputed * d + deepstack
+        return full, kept * (attn + mlp) + self.mergers * merger_mlp
+
+    def index_bytes(self, patches: float, shards: int = 1, window_indexes: int = 2) -> float:
+        """Bytes of int64 indices kept for `patches` patches (a rank's `1 / shards` of them): the window index
+        and its inverse ([P / 4] each, `window_indexes` of them kept) and each patch's 4 position-embedding rows."""
+        windows = window_indexes * patches / 4 * 8 if self.windowed else 0.0
+        return windows + (patches / shards * 4 * 8 if self.pos_embed else 0.0)
+
+    def merger_activation_elements(self) -> float:
+        """Saved elements per patch when only the mergers train: each merger's norm input, its Linears' inputs
+        and the GELU's input and output, D per patch each."""
+        return self.mergers * 4 * self.d
 
 
 class Layout:
@@ -285,15 +347,15 @@ class Layout:
 
     def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
         """Saved-for-backward bytes per rank at the end of the forward (`recomputed` blocks checkpointed);
-        the window index and its inverse are int64 [P/4] each."""
+        the integer indices as `VitShape.index_bytes` counts them."""
         full, sharded = s.activation_elements(recomputed)
-        return (full + sharded) * patches * b + patches / 4 * 8 * 2
+        return (full + sharded) * patches * b + s.index_bytes(patches)
 
     def merger_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
-        """Saved-for-backward bytes per rank when only the merger trains (`vision.train=merger`): nothing in
-        the blocks needs a gradient, so only ln_q's x * rsqrt (its weight's gradient), mlp.0's input and the
-        GELU's input and output are kept, D per patch each."""
-        return 4 * s.d * patches * b
+        """Saved-for-backward bytes per rank when only the mergers train (`vision.train=merger`): nothing in
+        the blocks needs a gradient, so only each merger's norm input (its weight's gradient), first Linear's
+        input and the GELU's input and output are kept, D per patch each."""
+        return s.merger_activation_elements() * patches * b
 
 
 def _index_numel(shape: torch.Size, idx) -> int:

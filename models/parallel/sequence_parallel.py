@@ -341,10 +341,11 @@ class SequenceParallel(Layout):
 
     def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
         """Everything / N; a full block keeps the all-to-all output instead of q, k, qkv; only the inverse
-        window index is kept. Recomputed blocks: their share of the full ones, by proportion."""
+        window index is kept (unsharded), and the position-embedding rows of the rank's own patches. Recomputed
+        blocks: their share of the full ones, by proportion."""
         n = self.degree
         if n == 1:
             return super().vit_activation_bytes(s, patches, b, recomputed)
         full, sharded = s.activation_elements(recomputed)
         full_kept = s.full * (s.depth - recomputed) / s.depth
-        return (full + sharded - full_kept * 2 * s.d) * patches / n * b + patches / 4 * 8
+        return (full + sharded - full_kept * 2 * s.d) * patches / n * b + s.index_bytes(patches, n, 1)

@@ -210,12 +210,13 @@ class VisionTensorParallel(TensorParallel):
         return 2 * (self.degree - 1) / self.degree * s.replicated_params() * b
 
     def merger_activation_bytes(self, s: VitShape, patches: int, b: int) -> float:
-        """ln_q's output and mlp.0's input replicated; the GELU's input and output split."""
-        return (2 + 2 / self.degree) * s.d * patches * b
+        """Per merger: its norm's input and its first Linear's input replicated; the GELU's input and output
+        split."""
+        return s.mergers * (2 + 2 / self.degree) * s.d * patches * b
 
     def vit_activation_bytes(self, s: VitShape, patches: int, b: int, recomputed: int = 0) -> float:
         """The per-block attention and MLP activations / N; pixels, rotary, norms, block inputs replicated."""
         if self.degree == 1:
             return super().vit_activation_bytes(s, patches, b, recomputed)
         full, sharded = s.activation_elements(recomputed)
-        return (full + sharded / self.degree) * patches * b + patches / 4 * 8 * 2
+        return (full + sharded / self.degree) * patches * b + s.index_bytes(patches)

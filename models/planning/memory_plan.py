@@ -15,6 +15,9 @@ Per rank, in bytes, counted on the meta device (nothing allocated):
   block keeps only its input. Both are checked, for every layout of the parity test, against what the
   actors' saved-tensor hooks count (tests/test_plan_measured.py: within 10 %; measured on CPU in fp32,
   exact for the decoder);
+- the boundary: the rows a vision rank sends (`boundary_rows`, the family's `boundary_width` wide: Qwen3-VL's
+  carry its DeepStack features too) stay with each graph in flight until their gradient comes back, and the text
+  rank holds the rows it received through its call; each pool's transients hold one gradient of them;
 - transients: the largest of the logits of a micro-batch's labelled positions (fp32, with their gradient,
   vocabulary split under TP) and one block's working set (also what a checkpointed block rebuilds in
   backward), plus ZeRO-3's all-gathered unit (with prefetch: two).
@@ -25,7 +28,9 @@ when t exceeds them): replicated, each of the two RMSNorms keeps its input, rsqr
 fp32: Qwen2RMSNorm computes in fp32) and its output (H, which the next Linear saves); split by t: the
 rotated q (H), the attention output (H, also o_proj's input), SDPA's logsumexp (n, fp32), gate, act(gate),
 up and act(gate) x up (4I); per rank the rotated k and v (2 K_t). Once: cos and sin (2d, unless every layer
-is recomputed) and the final norm's input, rsqrt, x x rsqrt (2H + 1, fp32).
+is recomputed) and the final norm's input, rsqrt, x x rsqrt (2H + 1, fp32). Qwen3-VL's decoder (its family's
+`text_head_norms`): the query is n x head_dim wide, not H (q and the attention output count that width), and
+the per-head RMSNorms on q and k keep their input, rsqrt and x x rsqrt (fp32).
 
 A plan is an estimate with stated assumptions, not an allocator trace: the CUDA caching allocator's
 fragmentation and the CUDA context (~0.5-1 GiB) come on top, which is why the check keeps a margin
@@ -183,14 +188,23 @@ def text_activations(
     tokens at TP degree `tp`, `b` bytes per element, `recomputed` layers checkpointed: the per-token count
     of this module's docstring. `frozen`: the weights take no gradient (text.train none or lora), only the
     embeddings do; `lora`: the `text.lora` spec of the factors on it."""
+    from dhp.models.family import family_of
+
     h, i, n = t.hidden_size, t.intermediate_size, t.num_attention_heads
-    d = h // n
-    kv = max(1, t.num_key_value_heads // tp) * d
+    d = getattr(t, "head_dim", None) or h // n
+    kv_heads = max(1, t.num_key_value_heads // tp)
+    kv = kv_heads * d
+    q = n * d  # the query width: Qwen3's head_dim is its own, not h / n
     norm = (2 * h + 1) * 4 + h * b
-    per_token = 2 * norm + b * (2 * h + 4 * i) / tp + 4 * n / tp + 2 * b * kv
+    per_token = 2 * norm + b * (2 * q + 4 * i) / tp + 4 * n / tp + 2 * b * kv
+    # per-head RMSNorms on q and k (Qwen3: q_norm, k_norm) keep their input, rsqrt and x x rsqrt in fp32
+    head_norms = bool(family_of(t).text_head_norms)
+    per_token += head_norms * 4 * ((2 * q + n) / tp + 2 * kv + kv_heads)
     final = (2 * h + 1) * 4
     if frozen:
-        per_token, final = frozen_layer_bytes(h, i, n, kv, tp, b, lora, mask_bytes), (h + 1) * 4
+        per_token = frozen_layer_bytes(h, i, n, kv, tp, b, lora, mask_bytes, q)
+        per_token += head_norms * 4 * ((q + n) / tp + kv + kv_heads)  # input and rsqrt: the gradient to q, k
+        final = (h + 1) * 4
     per_layer = tokens * per_token
     layers = t.num_hidden_layers
     rope = 2 * d * b if recomputed < layers else 0
@@ -199,7 +213,7 @@ def text_activations(
 
 
 def frozen_layer_bytes(
-    h: int, i: int, n: int, kv: int, tp: int, b: int, lora: Any = None, mask_bytes: int = 1
+    h: int, i: int, n: int, kv: int, tp: int, b: int, lora: Any = None, mask_bytes: int = 1, q: int | None = None
 ) -> float:
     """Bytes per token a decoder layer with frozen weights keeps so that the gradient reaches its input: a
     Linear keeps nothing (its input serves only its weight's gradient), an RMSNorm its input and rsqrt (fp32),
@@ -209,13 +223,14 @@ def frozen_layer_bytes(
     With `text.lora.dropout` > 0 each factor's input is its own dropout output, kept with its mask:
     `mask_bytes` per element (CUDA's fused dropout keeps a bool mask, 1; on a CPU the mask is a tensor of the
     input's dtype, measured), and 1 for the split input of a row-parallel layer under TP (`lora.ColumnsDropout`
-    keeps a bool mask on any device)."""
-    kept = 2 * (h + 1) * 4 + b * (2 * h + 3 * i) / tp + 4 * n / tp + 2 * b * kv
+    keeps a bool mask on any device). `q`: the query width when it is not `h` (Qwen3's own head_dim)."""
+    q = h if q is None else q  # the query width (n heads x head_dim)
+    kept = 2 * (h + 1) * 4 + b * (2 * q + 3 * i) / tp + 4 * n / tp + 2 * b * kv
     if lora is not None:
         targets = set(target_names(lora))
         kept += b * lora.rank * len(targets)
         if lora.dropout > 0:
-            width = {"o_proj": h / tp, "down_proj": i / tp}  # row-parallel: their input is split
+            width = {"o_proj": q / tp, "down_proj": i / tp}  # row-parallel: their input is split
             mask = {t: 1 if tp > 1 and t in width else mask_bytes for t in targets}
             kept += sum((b + mask[t]) * width.get(t, h) for t in targets)
         else:
@@ -257,6 +272,23 @@ def kept_activations(cfg: Any, model_config: Any, stage: str, size: int) -> tupl
     )
 
 
+def boundary_row_bytes(cfg: Any, model_config: Any, stage: str) -> int:
+    """Bytes of one boundary row as `stage` holds it: the family's width (Qwen3-VL: the merged embedding and one
+    DeepStack feature per deepstack block, side by side) in the stage's activation dtype."""
+    from dhp.models.family import family_of
+
+    return family_of(model_config).boundary_width(model_config) * activation_bytes_per_element(cfg, stage)
+
+
+def boundary_rows(cfg: Any, model_config: Any, patches: int) -> float:
+    """Boundary rows one vision rank sends for a micro-batch of `patches` patches: one per merge unit, of its own
+    part where the loader cuts the micro-batch per rank (sequence parallelism), else of all of them."""
+    from dhp.models.parallel.layouts import stage_layout
+
+    merged = patches / model_config.vision_config.spatial_merge_size**2
+    return merged / max(1, stage_layout(cfg, "vision", model_config).loader_shards)
+
+
 def vision_graphs(cfg: Any) -> int:
     """How many vision forward graphs one vision rank keeps alive at once: `pipeline.max_in_flight` run ahead
     of their backwards, but never more than a step has micro-batches, and a micro-batch holds at least one
@@ -279,14 +311,20 @@ def stage_plan(cfg: Any, model_config: Any, stage: str, vision_patches: int | No
     ft = FineTuning(cfg)
     shapes = stage_shapes(model_config, stage, ft.lora)
     tokens = cfg.data.microbatch_tokens
+    row = boundary_row_bytes(cfg, model_config, stage)
     if stage == "vision":  # every token an image token: 4 patches each
         patches = 4 * tokens if vision_patches is None else vision_patches
         activations, transients = kept_activations(cfg, model_config, stage, patches)
-        activations *= vision_graphs(cfg)
+        # each graph in flight keeps its output rows until their gradient comes back, one gradient at a time
+        rows = boundary_rows(cfg, model_config, patches)
+        activations = (activations + rows * row) * vision_graphs(cfg)
+        transients += rows * row
     else:
         activations, per_block = kept_activations(cfg, model_config, stage, tokens)
         logits = tokens * model_config.text_config.vocab_size / layout.degree * 4 * 2
-        transients = max(logits, per_block)
+        # the boundary rows received (every token an image token) stay through the call, their gradient returns
+        activations += tokens * row
+        transients = max(logits, per_block) + tokens * row
     if layout.spans_pool:  # ZeRO-3: a unit's full parameters while it runs, and the next one prefetched
         largest_unit = max(sum(p.numel() for p in u.parameters()) for u in module.shard_units())
         transients += 2 * largest_unit * prec.param_bytes

@@ -31,8 +31,9 @@ One micro-batch, per rank of each pool (seconds = work / the profile's rate for 
   call timed on real transformers stages; ZeRO-3 per unit and per parameter byte as measured on FSDP2
   (`zero3_unit_s`, `zero3_s_per_byte`) rather than from the collectives' bytes; the DTensor optimizer's and
   ZeRO-1's broadcasts per parameter tensor.
-- boundary: the merged vision tokens [S*P/4, out_hidden] cross to the text pool and their gradient comes
-  back: device -> host -> object store -> host -> device, both ways.
+- boundary: the merged vision tokens [S*P/4, boundary width] cross to the text pool and their gradient comes
+  back: device -> host -> object store -> host -> device, both ways (the family's width: Qwen3-VL's rows carry
+  one DeepStack feature per deepstack block beside the merged embedding).
 The micro-batch calls are then placed on devices (shared: vision and text actor b on device b, taking
 turns; disjoint: each pool its own) in the order the trainer submits them (`routing.route` +
 `schedule.pipeline_schedule`), and simulated: the makespan; the *bubble* is the busiest device's idle
@@ -41,7 +42,7 @@ ZeRO-1 broadcast) and the AdamW step (memory bound: params, grads and moments re
 written), both pools in turn on a shared device.
 
 Fine-tuning modes (models/fine_tuning.py, the object the memory plan asks too): a frozen ViT runs no backward
-call at all; a merger-only ViT's backward is the merger's weight gradients (nothing below it needs one); a
+call at all; a merger-only ViT's backward is the mergers' weight gradients (nothing below it needs one); a
 frozen or LoRA language model's backward computes input gradients only (forward 1, backward 1 for its
 Linears and lm_head; the embeddings still need theirs), plus the LoRA factors' three passes; gradient
 accumulation, gradient sync and AdamW count only what trains.
@@ -222,7 +223,8 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload | MicroBatchShape
             bwd.add(part, (2 if part == "linear" else prof.attention_backward_ratio) * sec)
             bwd.add("recompute", recompute * sec)
     if not blocks_train and ft.trains("vision"):  # merger only: its weight gradients, nothing below it
-        bwd.add("linear", flops.merger_flops_per_patch(vc) * p * share / prof.matmul_rate(width))
+        mergers = VitShape.of(vc).mergers  # the merger and any DeepStack mergers train
+        bwd.add("linear", mergers * flops.merger_flops_per_patch(vc) * p * share / prof.matmul_rate(width))
     fwd.add("collectives", comm)
     fwd.add("kernels", ops)
     if blocks_train:
@@ -366,7 +368,10 @@ def _nodes_spanned(group: int, prof: Profile) -> int:
 
 
 def _boundary_s(cfg: Any, mc: Any, prof: Profile, merged_tokens: int) -> float:
-    nbytes = merged_tokens * mc.vision_config.out_hidden_size * _bytes(cfg, "vision")
+    from dhp.models.planning.memory_plan import boundary_row_bytes
+
+    # the family's row: Qwen3-VL's carries its DeepStack features beside the merged embedding
+    nbytes = merged_tokens * boundary_row_bytes(cfg, mc, "vision")
     hops = 2 / prof.h2d_gbps if prof.kind == "gpu" else 0.0
     return nbytes * (hops + 1 / prof.object_store_gbps) / 1e9
 
