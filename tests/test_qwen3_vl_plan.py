@@ -124,3 +124,23 @@ def test_the_boundary_row_carries_the_deepstack_features(family):
     width = config.text_config.hidden_size * (1 + len(config.vision_config.deepstack_visual_indexes))
     assert boundary_row_bytes(cfg, config, "vision") == boundary_row_bytes(cfg, config, "text") == 3 * 64 * 4
     assert family.boundary_width(config) == width
+
+
+@pytest.mark.parametrize("name", ["tiny", NAME])
+def test_workload_counts_video_frames_by_temporal_patch(name):
+    """An image is one temporal patch; a video of F frames ceil(F / temporal_patch_size), each frame's sides
+    rounded to patch x merge as the processor resizes them (Qwen2.5-VL: 28 px, Qwen3-VL: 32 px)."""
+    from dhp.models.planning.time_model import Workload, visual_patches
+
+    vc = family_of_shape(name).shape_config(name).vision_config
+    unit = vc.patch_size * vc.spatial_merge_size
+    assert vc.temporal_patch_size == 2
+    frame = (8 * unit // vc.patch_size) * (4 * unit // vc.patch_size)  # an 8 x 4-unit frame's patches
+    assert visual_patches(vc, 1, 8 * unit, 4 * unit) == frame
+    assert visual_patches(vc, 8, 8 * unit, 4 * unit) == 4 * frame
+    assert visual_patches(vc, 7, 8 * unit, 4 * unit) == 4 * frame  # the last frame repeated
+    assert visual_patches(vc, 1, 8 * unit + 3, 4 * unit - 3) == frame  # rounded to the nearest unit
+    w = Workload.of(vc, images=[(8 * unit, 4 * unit)], videos=[(16, 8 * unit, 4 * unit)], text_tokens=100)
+    assert w.image_patches == 9 * frame and w.sample_tokens == 9 * frame // 4 + 100
+    with pytest.raises(ValueError, match="at least one frame"):
+        visual_patches(vc, 0, unit, unit)

@@ -81,6 +81,9 @@ COMPUTE_PARTS = (
 
 @dataclass
 class Workload:
+    """One sample of `image_patches` vision patches (its images' and videos': `of` counts them from sizes) and
+    `text_tokens` text tokens; `nodes` the GPUs are spread over."""
+
     image_patches: int
     text_tokens: int = 512
     nodes: int = 1
@@ -88,6 +91,37 @@ class Workload:
     @property
     def sample_tokens(self) -> int:
         return self.image_patches // 4 + self.text_tokens
+
+    @classmethod
+    def of(
+        cls,
+        vc: Any,
+        images: list[tuple[int, int]] = (),
+        videos: list[tuple[int, int, int]] = (),
+        text_tokens: int = 512,
+        nodes: int = 1,
+    ) -> Workload:
+        """A sample of `images` (height, width pixels) and `videos` (frames, height, width) for the vision config
+        `vc`: their patches as `visual_patches` counts them."""
+        patches = sum(visual_patches(vc, 1, h, w) for h, w in images)
+        patches += sum(visual_patches(vc, f, h, w) for f, h, w in videos)
+        return cls(patches, text_tokens, nodes)
+
+
+def visual_patches(vc: Any, frames: int, height: int, width: int) -> int:
+    """Patches of an image (`frames` 1) or a video of `frames` frames, `height` x `width` pixels, as the Qwen-VL
+    processors cut them: each side rounded to a multiple of patch x merge (transformers' `smart_resize`, no pixel
+    bounds), `temporal_patch_size` frames per temporal patch (an image is repeated to fill one, a video's last
+    frame to fill its last)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    if frames < 1 or height < 1 or width < 1:
+        raise ValueError(
+            f"a visual needs at least one frame of at least 1 x 1 pixels, not {frames} x {height} x {width}"
+        )
+    factor = vc.patch_size * vc.spatial_merge_size
+    h, w = smart_resize(height, width, factor=factor, min_pixels=factor * factor, max_pixels=2**62)
+    return -(-frames // vc.temporal_patch_size) * (h // vc.patch_size) * (w // vc.patch_size)
 
 
 @dataclass(frozen=True)
