@@ -117,13 +117,20 @@ def workload_line(r: dict[str, Any]) -> str:
             f"{r['samples_per_microbatch']} per micro-batch, global batch {r['global_batch_size']}, "
             f"{r['microbatches_per_text_replica']} micro-batches per text replica; profile {r['profile']}"
         )
-    m, n_mb = r["mix"], r["microbatches"]
+    n_mb = r["microbatches"]
+    return (
+        f"{mix_line(r['mix'])}, in {n_mb} micro-batch{'es' if n_mb > 1 else ''} (at most "
+        f"{r['microbatches_per_text_replica']} per text replica); profile {r['profile']}"
+    )
+
+
+def mix_line(m: dict[str, Any]) -> str:
+    """The mix a prediction used: its samples, p50/p99 per sample, the global batch drawn from it."""
     p, t, n = m["patches_per_sample"], m["text_tokens_per_sample"], m["tokens_per_sample"]
     return (
         f"workload: the length mix of {m['samples']} samples (per sample p50/p99: {p['p50']:g}/{p['p99']:g} "
         f"patches, {t['p50']:g}/{t['p99']:g} text tokens, {n['p50']:g}/{n['p99']:g} tokens); global batch "
-        f"{m['batch_samples']} of them at {m['draw']}, in {n_mb} micro-batch{'es' if n_mb > 1 else ''} (at most "
-        f"{r['microbatches_per_text_replica']} per text replica); profile {r['profile']}"
+        f"{m['batch_samples']} of them at {m['draw']}"
     )
 
 
@@ -285,7 +292,7 @@ def main(args: Any) -> int:
             print(f"no layout of {args.gpus} x {prof.name} fits {what}")
             return 1
         if mix is not None:
-            print(workload_line(rows[0]) + "; ranked by the mixed prediction\n")
+            print(f"{mix_line(rows[0]['mix'])}; profile {prof.name}; ranked by the mixed prediction\n")
         print(search_table(rows, args.top))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
