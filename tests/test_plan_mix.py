@@ -156,3 +156,27 @@ def test_a_bad_data_profile_is_one_line_and_exit_2(tmp_path, capsys, content, wh
     rc = cli_main(["plan", "--time", "--gpu", "h100-sxm", "--gpus", "2", "--data-profile", str(path)])
     err = capsys.readouterr().err
     assert rc == 2 and why in err and err.count("\n") == 1, err
+
+
+def test_a_microbatch_costs_its_own_sizes_padded_or_packed():
+    """Text: padded, every row as long as the longest; packed, the sum of the lengths, attention per sample.
+    Vision: attention per image, so the same patches in unequal images cost more full attention."""
+    from dhp.models.planning.time_model import MicroBatchShape, text_call, vision_calls
+
+    prof = datasheet("h100-sxm")
+    cfg, mc = _tiny()
+    cfg = prepare(cfg, prof, 2, Workload(256, 32))
+    padded = text_call(cfg, mc, prof, MicroBatchShape((256, 256), (100, 300), (36, 236)))
+    as_long = text_call(cfg, mc, prof, MicroBatchShape((256, 256), (300, 300), (36, 236)))
+    packed = text_call(cfg, mc, prof, MicroBatchShape((256, 256), (100, 300), (36, 236), packed=True))
+    assert padded.parts["linear"] == as_long.parts["linear"] and padded.parts["attention"] == as_long.parts["attention"]
+    assert packed.parts["linear"] == pytest.approx(padded.parts["linear"] * 400 / 600, rel=1e-12)
+    assert packed.parts["attention"] == pytest.approx(padded.parts["attention"] * (100**2 + 300**2) / (2 * 300**2))
+
+    def vision(images: tuple[int, ...]):
+        return vision_calls(cfg, mc, prof, MicroBatchShape(images, (300, 300), (36, 36)))[0]
+
+    even, uneven = vision((544, 544)), vision((64, 1024))
+    assert uneven.parts["linear"] == even.parts["linear"]
+    ratio = (64**2 + 1024**2) / (2 * 544**2)
+    assert uneven.parts["full_attention"] == pytest.approx(even.parts["full_attention"] * ratio, rel=1e-12)
