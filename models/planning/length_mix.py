@@ -13,6 +13,9 @@ micro-batches of at most `data.microbatch_tokens` (padded: samples x longest, so
 `data.packing`: the sum of the lengths). Each micro-batch is a `MicroBatchShape` of its own images and
 lengths, and `time_model.step_time_of` costs and schedules those.
 
+A visual is its patch count: a video's attention is counted over all its patches, as an image's, although the
+encoder attends per frame pair (the profile keeps no grid), so a mix with videos overstates their attention.
+
 Memory is planned for the largest micro-batch: the most vision patches of any micro-batch of the batch, and
 at least the profile's sample with the most patches (a micro-batch holds at least one sample).
 """
