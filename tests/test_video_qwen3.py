@@ -195,3 +195,19 @@ def test_a_one_frame_video_is_a_counted_skip(root, config):
     }
     row = pre({"source": "t", "record": json.dumps(record)})
     assert row["error"] == "bad_video_shape" and "one.mp4" in row["detail"], row
+
+
+def test_synthetic_videos(tmp_path, config):
+    """The synthetic set's videos (MPEG-4 files at 4 fps and frame lists) preprocess for Qwen3-VL with the default
+    `data.video` settings, each temporal patch behind its timestamp."""
+    from dhp.dataflow.synth import write_synthetic_dataset
+
+    s = write_synthetic_dataset(tmp_path / "v", 12, seed=0, eval_num=0, video_fraction=0.5)
+    videos = [r for r in map(json.loads, s.train_path.read_text().splitlines()) if "video" in r]
+    assert {isinstance(r["video"], str) for r in videos} == {True, False}
+    pre = Preprocessor(PreprocessSettings(str(s.out_dir), 56 * 56, 224 * 224, 2048), config)
+    for r in videos:
+        out = pre.process(json.dumps(r))
+        t = int(out["image_grid_thw"][0, 0])
+        assert out["image_grid_thw"].shape == (1, 3) and t >= 2
+        assert int((out["input_ids"] == 151652).sum()) == t  # a <|vision_start|> per temporal patch
