@@ -38,8 +38,8 @@ MEASURED_VISION["fullatt_block_indexes"] = [7]
 VISION_COMMON = dict(
     window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, hidden_act="silu"
 )
-PIXELS = 1176  # values per patch (3 x 2 x 14 x 14)
 LAYOUTS = ("sequence", "tensor", "zero3")
+MEASURED = "measured"  # the model `build_model` makes by default
 
 
 def grid_of(p: int) -> torch.Tensor:
@@ -49,27 +49,36 @@ def grid_of(p: int) -> torch.Tensor:
     return torch.tensor([[1, h, p // h]])
 
 
-def build_model():
-    from transformers import Qwen2_5_VLConfig
+def build_model(model: str = MEASURED):
+    """(config, vision stage) of `model`: MEASURED (the CPU-sized Qwen2.5-VL encoder above) or a named shape
+    (`qwen3_vl_tiny`: full attention in every block, the position embedding, two DeepStack mergers)."""
+    if model == MEASURED:
+        from transformers import Qwen2_5_VLConfig
 
-    from dhp.models.qwen2_5_vl import VisionModel
+        cfg = Qwen2_5_VLConfig(vision_config=dict(MEASURED_VISION, **VISION_COMMON))
+        cfg._attn_implementation = "sdpa"
+    else:
+        from dhp.models.architectures import architecture_config
 
-    cfg = Qwen2_5_VLConfig(vision_config=dict(MEASURED_VISION, **VISION_COMMON))
-    cfg._attn_implementation = "sdpa"
+        cfg = architecture_config(model)
+    from dhp.models.family import family_of
+
     torch.manual_seed(0)
-    return cfg, VisionModel(cfg).float().train()
+    return cfg, family_of(cfg).vision_model(cfg).float().train()
 
 
-def _pixels(p: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(p, PIXELS, generator=torch.Generator().manual_seed(p + 1000 * seed))
+def _pixels(cfg, p: int, seed: int = 0) -> torch.Tensor:
+    vc = cfg.vision_config
+    values = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2  # 1176 for Qwen2.5-VL's 14 px patches
+    return torch.randn(p, values, generator=torch.Generator().manual_seed(p + 1000 * seed))
 
 
-def measure_none(p: int) -> dict:
-    _, model = build_model()
-    with SavedBytes(model) as saved:
-        out = model(_pixels(p), grid_of(p))
+def measure_none(p: int, model: str = MEASURED) -> dict:
+    cfg, vit = build_model(model)
+    with SavedBytes(vit) as saved:
+        out = vit(_pixels(cfg, p), grid_of(p))
     out.sum().backward()
-    return dict(layout="none", degree=1, seq_len=p, comm=0, grad=0, act=saved.total)
+    return dict(layout="none", degree=1, seq_len=p, comm=0, grad=0, act=saved.total, model=model)
 
 
 class Counter:
@@ -124,7 +133,7 @@ class Counter:
         self.comm, self.grad, self.phase = 0.0, 0.0, "comm"
 
 
-def _run(name: str, counter: Counter, p: int) -> dict:
+def _run(name: str, counter: Counter, p: int, model_name: str = MEASURED) -> dict:
     """One micro-batch of `p` patches under layout `name` on this rank: bytes sent and saved.
 
     The layout object does what it does in a vision worker (apply, forward, gradient sync group, ZeRO-1
@@ -138,7 +147,7 @@ def _run(name: str, counter: Counter, p: int) -> dict:
     from dhp.models.parallel.layouts import layout_class
 
     rank, world, group = counter.rank, counter.world, dist.group.WORLD
-    cfg, model = build_model()
+    cfg, model = build_model(model_name)
     layout = layout_class("vision", name).of_size("vision", world, cfg)
     singles = [dist.new_group([r]) for r in range(world)]  # the size-1 group of whichever dimension is 1
     whole = layout.degree == world
@@ -163,7 +172,7 @@ def _run(name: str, counter: Counter, p: int) -> dict:
             list(model.parameters()), optimizer_class=torch.optim.SGD, lr=1e-3, process_group=zero_group
         )
     # Data parallel layouts: each rank its own image; model-parallel ones: every rank the same micro-batch.
-    pixels = _pixels(p, seed=rank + 1 if layout.dp == world and world > 1 else 0)
+    pixels = _pixels(cfg, p, seed=rank + 1 if layout.dp == world and world > 1 else 0)
     plan = sp.plan_shards(grid, layout.loader_shards, cfg) if layout.loader_shards else None
 
     def forward():
@@ -188,7 +197,7 @@ def _run(name: str, counter: Counter, p: int) -> dict:
     return dict(comm=counter.comm, grad=counter.grad, act=saved.total)
 
 
-def _worker(rank: int, world: int, seqs: list[int], layouts: list[str], out_dir: str) -> None:
+def _worker(rank: int, world: int, seqs: list[int], layouts: list, out_dir: str) -> None:
     import torch.distributed as dist
 
     from dhp.stages.rendezvous import pin_collectives_to_loopback
@@ -200,15 +209,23 @@ def _worker(rank: int, world: int, seqs: list[int], layouts: list[str], out_dir:
     )
     try:
         counter = Counter(rank, world)
-        results = [dict(layout=lay, seq_len=p, **_run(lay, counter, p)) for lay in layouts for p in seqs]
+        results = [
+            dict(layout=lay, seq_len=p, model=model, **_run(lay, counter, p, model))
+            for model, lay in layouts
+            for p in seqs
+        ]
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:
         dist.destroy_process_group()
 
 
-def measure(world: int, seqs: list[int], layouts=LAYOUTS) -> list[dict]:
-    """Rows (layout, degree, seq_len, comm, grad, act, act_max) averaged over `world` spawned gloo ranks."""
+def measure(
+    world: int, seqs: list[int], layouts=LAYOUTS, models: dict[str, tuple[str, ...]] | None = None
+) -> list[dict]:
+    """Rows (model, layout, degree, seq_len, comm, grad, act, act_max) averaged over `world` spawned gloo ranks:
+    `layouts` of the MEASURED encoder, and of each other model in `models` the layouts given there."""
+    layouts = [(MEASURED, lay) for lay in layouts] + [(m, lay) for m, lays in (models or {}).items() for lay in lays]
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,6 +235,6 @@ def measure(world: int, seqs: list[int], layouts=LAYOUTS) -> list[dict]:
     for j, first in enumerate(per_rank[0]):
         vals = [per_rank[r][j] for r in range(world)]
         mean = {k: sum(v[k] for v in vals) / world for k in ("comm", "grad", "act")}
-        rows.append(dict(layout=first["layout"], degree=world, seq_len=first["seq_len"], **mean))
+        rows.append(dict(layout=first["layout"], degree=world, seq_len=first["seq_len"], model=first["model"], **mean))
         rows[-1]["act_max"] = max(v["act"] for v in vals)
     return rows

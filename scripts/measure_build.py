@@ -37,15 +37,15 @@ def measure(
     import torch
 
     from dhp.models.architectures import architecture_config
+    from dhp.models.family import family_of
     from dhp.models.parallel.layouts import layout_class
     from dhp.models.precision import precision_of
-    from dhp.models.qwen2_5_vl import TextModel, VisionModel
     from dhp.models.stage_build import build_stage
     from dhp.models.weights.random_init import random_init
 
     torch.set_num_threads(1)
     config = architecture_config(model)
-    cls = TextModel if stage == "text" else VisionModel
+    cls = family_of(config).stage_module_class(stage)  # the model family's stage module
     lay = layout_class(stage, layout).of_size(stage, degree, config)  # zero3: a pool of `degree` ranks
     start = time.perf_counter()
     if whole:

@@ -22,9 +22,10 @@ def test_quick_bench_counts_match_the_layouts_and_a_measured_build(tmp_path, cap
     assert main(["bench", "memory", "--quick", "--json", str(out)]) == 0
     assert "peak RSS" in capsys.readouterr().out
     rows = json.loads(out.read_text())
-    config = architecture_config("tiny")
+    assert {r["model"] for r in rows} == {"tiny", "qwen3_vl_tiny"}
     for r in rows:
-        shapes = full_shapes("tiny", r["stage"])
+        shapes = full_shapes(r["model"], r["stage"])
+        config = architecture_config(r["model"])
         layout = make_layout(r["stage"], r["layout"], r["degree"], r["num_actors"], config)
         prec = precision_of(r["precision"])
         n = layout.state_numel(shapes, 0)
@@ -35,14 +36,20 @@ def test_quick_bench_counts_match_the_layouts_and_a_measured_build(tmp_path, cap
         if r["layout"] == "none" and r["num_actors"] == 2:  # ZeRO-1 over the two replicas halves the moments
             assert r["optimizer_bytes"] == n * prec.optimizer_bytes // 2
     measured = [r for r in rows if r["peak_rss_bytes"] is not None]
-    assert {(r["stage"], r["layout"]) for r in measured} == {("text", "tensor"), ("vision", "sequence")}
+    assert {(r["model"], r["stage"], r["layout"]) for r in measured} == {
+        ("tiny", "text", "tensor"),
+        ("tiny", "vision", "sequence"),
+        ("qwen3_vl_tiny", "vision", "sequence"),
+    }
     for r in measured:  # the measured build (from the bench's own bf16 checkpoint) held what the plan says
         assert r["precision"] == "fp32" and r["peak_rss_bytes"] > r["held_bytes"] and r["build_s"] >= 0
 
 
 def test_released_shapes_have_their_published_sizes():
-    """Parameter counts of the shapes the bench counts (published: 3.75B, 8.29B, 33.5B, 73.4B)."""
+    """Parameter counts of the shapes the bench counts (published: 3.75B, 8.29B, 33.5B, 73.4B; Qwen3-VL's model
+    cards: 2B, 8B, 32B, whose checkpoints hold 2.13 B, 8.77 B and 33.4 B)."""
     published = {"qwen2_5_vl_3b": 3.75e9, "qwen2_5_vl_7b": 8.29e9, "qwen2_5_vl_32b": 33.5e9, "qwen2_5_vl_72b": 73.4e9}
+    published |= {"qwen3_vl_2b": 2.13e9, "qwen3_vl_8b": 8.77e9, "qwen3_vl_32b": 33.4e9}
     for model, want in published.items():
         total = 0
         for stage in ("vision", "text"):  # a tied lm_head is counted once

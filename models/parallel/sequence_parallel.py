@@ -328,9 +328,10 @@ class SequenceParallel(Layout):
         return sp_vision_forward(model.visual, pixels, grid, plan, ranks.model_rank, ranks.model_group)
 
     def vit_comm_bytes(self, s: VitShape, patches: int, b: int) -> float:
-        """Per full block (3 + 1) * S_r * D * (N-1)/N, forward and backward; the gather of S_r / 4 rows."""
+        """Per full block (3 + 1) * S_r * D * (N-1)/N, forward and backward; the gather of S_r / 4 rows, one output
+        per merger wide (the merged embedding and each DeepStack feature)."""
         n, p = self.degree, patches
-        return (s.full * 2 * 4 * (p / n) * s.d * (n - 1) / n + (n - 1) * (p / n / 4) * s.o) * b
+        return (s.full * 2 * 4 * (p / n) * s.d * (n - 1) / n + (n - 1) * (p / n / 4) * s.o * s.mergers) * b
 
     def vit_grad_sync_bytes(self, s: VitShape, b: int) -> float:
         """ZeRO-1: a 2(N-1)/N all-reduce of every gradient, then an (N-1)/N broadcast of every parameter."""

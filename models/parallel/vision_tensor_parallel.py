@@ -200,9 +200,10 @@ class VisionTensorParallel(TensorParallel):
         return list(grads) * self.degree if grads else grads
 
     def vit_comm_bytes(self, s: VitShape, patches: int, b: int) -> float:
-        """All-reduces: forward 2 per block [P, D] + merger [P/4, O]; backward merger [P/4, 4D] + 2 per block."""
-        n, p = self.degree, patches
-        forward, backward = 2 * s.depth * p * s.d + p / 4 * s.o, p / 4 * 4 * s.d + 2 * s.depth * p * s.d
+        """All-reduces: forward 2 per block [P, D] + each merger's [P/4, O]; backward each merger's [P/4, 4D] + 2
+        per block."""
+        n, p, m = self.degree, patches, s.mergers
+        forward, backward = 2 * s.depth * p * s.d + m * p / 4 * s.o, m * p / 4 * 4 * s.d + 2 * s.depth * p * s.d
         return 2 * (n - 1) / n * (forward + backward) * b
 
     def vit_grad_sync_bytes(self, s: VitShape, b: int) -> float:

@@ -47,7 +47,10 @@ real 1-in-8 ratio, out 512), fp32: `none` in this process; `sequence`, `tensor` 
 of 2 and 4 spawned ranks (`layout_counts.py`: collectives counted at the torch.distributed function level,
 saved tensors by saved_tensors_hooks). Degree 8 is not measured: 8 ranks on this 2-core machine, and 684 % 8
 = 4 rules out tensor there too. The formula is then evaluated for the measured shape and must be within
-+-15% of every count, else the script exits 1. `--plot` (default: the --json path with .png) draws comm and
++-15% of every count, else the script exits 1. Qwen3-VL's tiny ViT (`qwen3_vl_tiny`: 4 blocks of full attention,
+the learned position embedding, 2 DeepStack mergers whose features widen the merged output threefold) is measured
+the same way, `none` in this process and `sequence` and `tensor` on the spawned ranks (rows with `shape`
+qwen3_vl_tiny), against the formula of its own shape. `--plot` (default: the --json path with .png) draws comm and
 activations of the real shape and the formula/measured ratios.
 Usage: dhp bench layouts [--json PATH] [--quick] [--budget-gib 40]
        python -m dhp.scripts.bench.layouts [--json PATH] [--plot PNG] [--quick] [--budget-gib 40]
@@ -67,13 +70,17 @@ import torch
 
 from dhp.models.parallel.layout import Layout, VitShape
 from dhp.models.parallel.layouts import layout_class
-from dhp.scripts.layout_counts import MEASURED_VISION, REAL_VISION, VISION_COMMON, measure, measure_none
+from dhp.scripts.layout_counts import MEASURED, MEASURED_VISION, REAL_VISION, VISION_COMMON, measure, measure_none
 
 FORMULA_SEQ = [1024, 4096, 16384, 65536]
 DEGREES = [2, 4, 8]
 TOL = 0.15
 GRAD_BYTES = 4  # fp32 master parameters: gradients, ZeRO-1 broadcasts, FSDP2 gathers / reduce-scatters
 KEYS = ("comm_bytes_per_rank", "grad_sync_bytes_per_rank", "activation_bytes_per_rank")
+# Qwen3-VL's tiny shape, measured too (full attention in every block, the learned position embedding, the DeepStack
+# mergers and their wider output): the layouts it runs in the measured set
+QWEN3 = "qwen3_vl_tiny"
+QWEN3_LAYOUTS = ("sequence", "tensor")
 
 
 Shape = VitShape  # the ViT dimensions the formulas read (models/parallel/layout.py)
@@ -132,11 +139,23 @@ def formula_rows(s: Shape, seqs, degrees, b: int, budget: float) -> list[dict]:
     return rows
 
 
+def measured_shape(model: str) -> Shape:
+    """The formulas' shape of a measured model: the CPU-sized Qwen2.5-VL encoder, or a named shape's ViT."""
+    if model == MEASURED:
+        return Shape.of(MEASURED_VISION)
+    from dhp.models.architectures import architecture_config
+
+    return Shape.of(architecture_config(model).vision_config)
+
+
 def check(rows: list[dict]) -> list[str]:
     """Attach the formula (measured shape, fp32) to each measured row; return the disagreements."""
-    s, bad = Shape.of(MEASURED_VISION), []
+    bad = []
     for r in rows:
-        r.update(source="measured", shape="measured", dtype_bytes=4, grad_dtype_bytes=4, feasible=True)
+        model = r.setdefault("model", MEASURED)
+        s = measured_shape(model)
+        shape = "measured" if model == MEASURED else model
+        r.update(source="measured", shape=shape, dtype_bytes=4, grad_dtype_bytes=4, feasible=True)
         n, p, lay = r["degree"], r["seq_len"], r["layout"]
         formulas = comm_formula(s, lay, n, p, 4), grad_sync_formula(s, lay, n, 4), activation_formula(s, lay, n, p, 4)
         for key, f in zip(KEYS, formulas):
@@ -144,7 +163,7 @@ def check(rows: list[dict]) -> list[str]:
             ratio = f / r[key] if r[key] else (1.0 if f == 0 else math.inf)
             r[key.replace("_bytes_per_rank", "_ratio")] = round(ratio, 4)
             if abs(ratio - 1) > TOL:
-                bad.append(f"{lay} N={n} P={p} {key}: formula/measured = {ratio:.3f}")
+                bad.append(f"{r['shape']} {lay} N={n} P={p} {key}: formula/measured = {ratio:.3f}")
     return bad
 
 
@@ -164,14 +183,14 @@ def expectations(rows: list[dict], degree: int = 4) -> list[str]:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'source':8} {'layout':8} {'N':>2} {'seq':>6} {'comm MiB':>10}{'grad MiB':>10}{'act MiB':>10}  f/m ratios"
-    lines = [head]
+    head = f"{'source':8} {'shape':13} {'layout':8} {'N':>2} {'seq':>6} {'comm MiB':>10}{'grad MiB':>10}{'act MiB':>10}"
+    lines = [head + "  f/m ratios"]
     for r in rows:
         ratio = "" if r["feasible"] else "INFEASIBLE (formula as if it split evenly)"
         if r["source"] == "measured":
             ratio = " ".join(str(r[k]) for k in ("comm_ratio", "grad_sync_ratio", "activation_ratio"))
         lines.append(
-            f"{r['source']:8} {r['layout']:8} {r['degree']:>2} {r['seq_len']:>6} "
+            f"{r['source']:8} {r['shape']:13} {r['layout']:8} {r['degree']:>2} {r['seq_len']:>6} "
             + "".join(f"{r[k] / 2**20:10.1f}" for k in KEYS)
             + f"  {ratio}"
         )
@@ -222,7 +241,7 @@ def plot(rows: list[dict], path: str, budget: float) -> None:
         pts = [(j, r[f"{key}_ratio"]) for j, r in enumerate(measured) if r[f"{key}_bytes_per_rank"]]
         c.plot([j + (k - 1) * 0.15 for j, _ in pts], [y for _, y in pts], marker, label=key, ls="none")
     c.axhspan(1 - TOL, 1 + TOL, color="green", alpha=0.1, label=f"+-{TOL:.0%}")
-    labels = [f"{r['layout']} N={r['degree']} {r['seq_len'] // 1024}k" for r in measured]
+    labels = [f"{r['shape']} {r['layout']} N={r['degree']} {r['seq_len'] // 1024}k" for r in measured]
     c.set_xticks(range(len(measured)), labels, rotation=60, ha="right", fontsize=8)
     c.set(ylim=(0.8, 1.2), ylabel="formula / measured", title="formula vs counted (CPU-sized ViT, fp32, gloo)")
     c.legend(fontsize=8)
@@ -249,13 +268,13 @@ def main(args=None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 intra-op threads on a shared 2-core machine made backward ~25x slower
     try:
-        counted = [measure_none(p) for p in seqs]
+        counted = [measure_none(p, model) for model in (MEASURED, QWEN3) for p in seqs]
     finally:
         torch.set_num_threads(threads)
     for w in worlds:
-        counted += measure(w, seqs)
+        counted += measure(w, seqs, models={QWEN3: QWEN3_LAYOUTS})
     measured = [
-        _row(c["layout"], c["degree"], c["seq_len"], c["comm"], c["grad"], c["act"])
+        _row(c["layout"], c["degree"], c["seq_len"], c["comm"], c["grad"], c["act"], model=c["model"])
         | ({"activation_bytes_max_rank": c["act_max"]} if "act_max" in c else {})
         for c in counted
     ]

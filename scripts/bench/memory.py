@@ -13,7 +13,7 @@ real-format checkpoint — safetensors in bf16 at the released shape with random
 (streamed, models/weights/hf_writer.py) — through the workers' own code (models/stage_build.py, with a fake process
 group standing in for the other ranks), and reports its peak RSS. The goal:
 peak_rss <= 1.25 x (held after setup + largest tensor) + 1.5 GiB, recorded per row as `goal_rss_bytes`.
-`--quick` does the same on the tiny shape (what the tests run).
+`--quick` does the same on the tiny shapes of both families, Qwen2.5-VL's and Qwen3-VL's (what the tests run).
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ from typing import Any
 from dhp.scripts.results import write_json
 
 GIB = 2**30
-SHAPES = ("qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b")
+SHAPES = (
+    "qwen2_5_vl_3b",
+    "qwen2_5_vl_7b",
+    "qwen2_5_vl_32b",
+    "qwen2_5_vl_72b",
+    "qwen3_vl_2b",
+    "qwen3_vl_8b",
+    "qwen3_vl_32b",
+)
 # (stage, layout, degree, num_actors): the presets' layouts (tiny SP2/TP2, 7B SP4/TP4, 32B SP8/TP8), a TP 8 x
 # DP 2 text pool (16 GPUs: ZeRO-1 halves its moments) and one unsharded rank of each stage for scale.
 LAYOUTS = [
@@ -51,7 +59,12 @@ MEASURED = [
     ("qwen2_5_vl_3b", "vision", "sequence", 4),
 ]
 QUICK_LAYOUTS = [("vision", "sequence", 2, 2), ("text", "tensor", 2, 2), ("text", "none", 1, 2)]
-QUICK_MEASURED = [("tiny", "text", "tensor", 2), ("tiny", "vision", "sequence", 2)]
+QUICK_MEASURED = [
+    ("tiny", "text", "tensor", 2),
+    ("tiny", "vision", "sequence", 2),
+    ("qwen3_vl_tiny", "vision", "sequence", 2),  # the learned position embedding and the DeepStack mergers
+]
+QUICK_SHAPES = ("tiny", "qwen3_vl_tiny")
 
 
 def full_shapes(model: str, stage: str) -> dict[str, tuple[int, ...]]:
@@ -102,12 +115,13 @@ def write_checkpoint(model: str, out: Path) -> None:
     import torch
 
     from dhp.models.architectures import architecture_config
-    from dhp.models.qwen2_5_vl import TextModel, VisionModel
+    from dhp.models.family import family_of
     from dhp.models.weights.hf_writer import Entry, write_shards
 
     config = architecture_config(model)
     entries = []
-    for stage, cls in (("vision", VisionModel), ("text", TextModel)):
+    for stage in ("vision", "text"):
+        cls = family_of(config).stage_module_class(stage)
         for name, shape in full_shapes(model, stage).items():
             hf = cls.hf_name(name)
             if not (config.tie_word_embeddings and hf == "lm_head.weight"):
@@ -145,7 +159,7 @@ def run(quick: bool, measure: bool, checkpoint_dir: str | None) -> list[dict[str
     from dhp.models.architectures import architecture_config
     from dhp.models.parallel.layouts import make_layout
 
-    shapes_of = ("tiny",) if quick else SHAPES
+    shapes_of = QUICK_SHAPES if quick else SHAPES
     layouts = QUICK_LAYOUTS if quick else LAYOUTS
     rows = []
     for model in tqdm(shapes_of, desc="meta builds", disable=quick):
@@ -230,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("memory", help="bytes a rank holds per shape / layout / precision; measured build RSS")
     p.add_argument("--json", required=True, help="where the rows go")
-    p.add_argument("--quick", action="store_true", help="the tiny shape only (seconds)")
+    p.add_argument("--quick", action="store_true", help="the tiny shapes only (seconds)")
     p.add_argument("--no-measure", action="store_true", help="computed rows only (no checkpoint, no builds)")
     p.add_argument(
         "--checkpoint-dir",
