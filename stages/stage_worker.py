@@ -18,11 +18,10 @@ from typing import Any
 import ray
 import torch
 from torch import nn
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.fine_tuning import FineTuning, group_lrs
-from dhp.models.optimizer import adamw_of, device_type_of
+from dhp.models.optimizer import adamw_of, device_type_of, warmup_cosine_schedule
 from dhp.models.parallel.layout import NOT_SHARDED, SKIP_SYNC
 from dhp.models.parallel.layouts import make_layout, stage_layout
 from dhp.models.parallel.tensor_parallel import sum_partial_grads
@@ -54,9 +53,7 @@ def build_optimizer(module: nn.Module, cfg: Config, zero_group: Any = NOT_SHARDE
     groups = FineTuning(cfg).param_groups(module)
     implementation = adamw_of(t.optimizer, device_type_of(groups))
     optimizer = implementation.build(groups, zero_group, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps, min_lr_rate=t.min_lr_ratio
-    )
+    scheduler = warmup_cosine_schedule(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     return optimizer, scheduler
 
 

@@ -16,7 +16,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration, get_cosine_with_min
 
 from dhp.errors import ConfigError
 from dhp.models.architectures import architecture_config
-from dhp.models.optimizer import CHOICES, IMPLEMENTATIONS, adamw_of
+from dhp.models.optimizer import CHOICES, IMPLEMENTATIONS, adamw_of, warmup_cosine_schedule
 from dhp.models.planning.memory_plan import stage_plan
 from dhp.stages.config import TrainingConfig, load_config
 from dhp.stages.stage_worker import build_optimizer, clipped_step
@@ -226,3 +226,23 @@ def test_the_plan_counts_the_step_temporary_of_the_implementation_it_will_run():
     assert 2 * largest * 4 < foreach < 2.2 * largest * 4  # embedding and lm_head, the layers' matrices on top
     down = hidden * 176 // 2  # the last layer's down_proj, whose denominator is still bound when lm_head's starts
     assert temp("training.optimizer=for_loop") == (2 * largest + down) * 4
+
+
+@pytest.mark.parametrize(("warmup", "total", "min_ratio"), [(0, 5, 0.0), (2, 10, 0.1), (3, 3, 0.5), (4, 20, 0.05)])
+def test_warmup_cosine_schedule_is_transformers_schedule(warmup, total, min_ratio):
+    """dhp's schedule against transformers' `get_cosine_with_min_lr_schedule_with_warmup`, every step and one past
+    the end, for two parameter groups of different LRs."""
+
+    def lrs(make):
+        params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+        optimizer = torch.optim.SGD([{"params": params[:1], "lr": 1e-3}, {"params": params[1:], "lr": 3e-4}])
+        scheduler, seen = make(optimizer), []
+        for _ in range(total + 2):
+            seen.append([g["lr"] for g in optimizer.param_groups])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    ours = lrs(lambda o: warmup_cosine_schedule(o, warmup, total, min_ratio))
+    theirs = lrs(lambda o: get_cosine_with_min_lr_schedule_with_warmup(o, warmup, total, min_lr_rate=min_ratio))
+    assert ours == theirs
