@@ -183,20 +183,26 @@ def qwen3_video_samples(tmp_path_factory, small_qwen3_parity_setup) -> list[dict
 
 
 @pytest.mark.slow
-def test_qwen3_vl_video_batch_matches_transformers_sp2_tp2(small_qwen3_parity_setup, qwen3_video_samples, trainers):
-    """The video and the image in one micro-batch, the text-only sample in another, 3 steps under SP2 / TP2."""
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_qwen3_vl_video_batch_matches_transformers_sp2_tp2(
+    small_qwen3_parity_setup, qwen3_video_samples, trainers, packed
+):
+    """Padded: the video and the image in one micro-batch, the text-only sample in another; packed: the text-only
+    sample and the video sample in one sequence. 3 steps under SP2 / TP2."""
     ref, ckpt, _ = small_qwen3_parity_setup
     samples = qwen3_video_samples
     inputs = reference_inputs(samples, timestamps=True)
     assert inputs["video_grid_thw"].tolist() == [[2, 4, 6]]
     assert int((samples[0]["input_ids"] == 151652).sum()) == 3  # <|vision_start|>: two temporal patches, an image
     longest = max(s["input_ids"].shape[0] for s in samples)
+    total = sum(s["input_ids"].shape[0] for s in samples)
     cfg = load_config(
         "tiny",
         BASE
         + [
             f"model.path={ckpt}",
-            f"data.microbatch_tokens={longest}",
+            f"data.microbatch_tokens={total}",
+            f"data.packing={str(packed).lower()}",
             f"data.max_seq_len={longest}",
             f"training.steps={STEPS}",
             "training.warmup_steps=1",
@@ -209,9 +215,11 @@ def test_qwen3_vl_video_batch_matches_transformers_sp2_tp2(small_qwen3_parity_se
         + SP2
         + TP2,
     )
-    batch = GlobalBatch(
-        [_microbatch([samples[0]], cfg, ref.config), _microbatch([samples[1]], cfg, ref.config)], epoch=0
-    )
+    if packed:  # one sequence: the text-only sample, then the video with the image
+        batch = GlobalBatch([_packed_microbatch([samples[1], samples[0]], cfg, ref.config)], epoch=0)
+    else:
+        micro = [_microbatch([samples[0]], cfg, ref.config), _microbatch([samples[1]], cfg, ref.config)]
+        batch = GlobalBatch(micro, epoch=0)
     with trainers.use(cfg) as trainer:
         expected = reference_trajectory(copy.deepcopy(ref), inputs, cfg)
         for step in range(STEPS):
