@@ -61,12 +61,20 @@ def peft_reference(ref, trainer):
     return model
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_lora_matches_peft(small_parity_setup, trainers, tmp_path, case):
-    from peft import PeftModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
+# Qwen3-VL (q/k RMSNorms, its own head_dim, DeepStack into the first decoder layers) in one layout
+QWEN3_CASES = {"qwen3-sp2-tp2": (SP2 + TP2, [[[0, 1], [2]]])}
 
-    layout, replicas = CASES[case]
+
+@pytest.mark.parametrize("case", list(CASES) + list(QWEN3_CASES))
+def test_lora_matches_peft(request, trainers, tmp_path, case):
+    from peft import PeftModel
+
+    from dhp.models.family import family_of
+
+    qwen3 = case in QWEN3_CASES
+    small_parity_setup = request.getfixturevalue("small_qwen3_parity_setup" if qwen3 else "small_parity_setup")
+    layout, replicas = (QWEN3_CASES if qwen3 else CASES)[case]
+    hf_class = family_of(small_parity_setup[0].config).hf_class
     base_grads = {}
 
     def probe(trainer):
@@ -95,9 +103,9 @@ def test_lora_matches_peft(small_parity_setup, trainers, tmp_path, case):
 
     # the export's adapter directory: peft loads it onto the base and computes the merged model
     adapter = tmp_path / "export" / "adapter"
-    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(small_parity_setup[1]).float()
+    base = hf_class.from_pretrained(small_parity_setup[1]).float()
     peft_model = PeftModel.from_pretrained(base, adapter)
-    merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "export").float()
+    merged = hf_class.from_pretrained(tmp_path / "export").float()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if ".lora_" in name:

@@ -122,14 +122,22 @@ ZERO3 = ["vision.parallelism=zero3", "vision.num_actors=2", "text.parallelism=ze
 
 
 @pytest.mark.parametrize(
-    ("layout", "replicas"), [(SP2 + TP2, [[0, 1, 2]]), (ZERO3, [[0, 1], [2]])], ids=["sp2-tp2", "zero3-zero3"]
+    ("layout", "replicas", "model"),
+    [
+        (SP2 + TP2, [[0, 1, 2]], "tiny"),
+        (ZERO3, [[0, 1], [2]], "tiny"),
+        # Qwen3-VL: the position embedding, the DeepStack mergers, the q/k norms from the seed too
+        (SP2 + TP2, [[0, 1, 2]], "qwen3_vl_tiny"),
+    ],
+    ids=["sp2-tp2", "zero3-zero3", "qwen3-sp2-tp2"],
 )
-def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, trainers, layout, replicas):
+def test_random_init_is_the_seeded_model_in_every_layout(request, trainers, layout, replicas, model):
     """No `model.path`: the pools' tensors are the seeded single-process build's, bit for bit, and the first
     loss is that model's in transformers (a rotary buffer or parameter left uninitialised would show)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from dhp.models.family import family_of_shape
 
-    _, _, samples = parity_setup
+    qwen3 = model != "tiny"
+    _, _, samples = request.getfixturevalue("qwen3_parity_setup" if qwen3 else "parity_setup")
     cfg = load_config(
         "tiny",
         BASE
@@ -138,23 +146,26 @@ def test_random_init_is_the_seeded_model_in_every_layout(parity_setup, trainers,
             "data.microbatch_tokens=1024",
             "vision.num_cpus_per_actor=0.5",
             "text.num_cpus_per_actor=0.5",
-        ],
+        ]
+        + [f"model.name={model}"] * qwen3,
     )
-    config = architecture_config("tiny")
+    family = family_of_shape(model)
+    config = architecture_config(model)
+    vision_class, text_class = family.stage_module_class("vision"), family.stage_module_class("text")
     torch.manual_seed(cfg.model.init_seed)
-    vision = VisionModel(config)
+    vision = vision_class(config)
     torch.manual_seed(cfg.model.init_seed)
-    text = TextModel(config)
-    expected = {VisionModel.hf_name(n): t for n, t in vision.state_dict().items()}
-    expected |= {TextModel.hf_name(n): t for n, t in text.state_dict().items()}
-    ref = Qwen2_5_VLForConditionalGeneration(config).float()
+    text = text_class(config)
+    expected = {vision_class.hf_name(n): t for n, t in vision.state_dict().items()}
+    expected |= {text_class.hf_name(n): t for n, t in text.state_dict().items()}
+    ref = family.hf_class(config).float()
     ref.load_state_dict(expected)
     with trainers.use(cfg) as trainer:
         params = collect(trainer)
         assert params.keys() == expected.keys()
         for name, t in expected.items():
             assert torch.equal(params[name], t), name
-        batches = [GlobalBatch([_microbatch([samples[i] for i in group], cfg)], epoch=0) for group in replicas]
+        batches = [GlobalBatch([_microbatch([samples[i] for i in group], cfg, config)], epoch=0) for group in replicas]
         loss = trainer.accumulate(batches)
         ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
     full_v, full_t = vision_inputs(samples), text_inputs(samples, pad_id=151643)

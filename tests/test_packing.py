@@ -350,3 +350,12 @@ PACKED_LAYOUTS = [
 def test_packed_steps_match_transformers(parity_setup, trainers, tmp_path, monkeypatch, layout, replicas):
     monkeypatch.setattr(parity, "_microbatch", _packed_microbatch)
     parity.check_parity(parity_setup, tmp_path, layout + ["data.packing=true"], replicas, trainers=trainers)
+
+
+def test_qwen3_vl_packed_steps_match_transformers(qwen3_parity_setup, trainers, tmp_path, monkeypatch):
+    """Qwen3-VL packed under vision SP 2 / text TP 2: the three samples in one sequence (the text-only one first),
+    the DeepStack features added at the image positions of the packed row, attention kept within each sample."""
+    monkeypatch.setattr(parity, "_microbatch", _packed_microbatch)
+    layout = parity.SP2 + parity.TP2 + ["data.packing=true"]
+    params = parity.check_parity(qwen3_parity_setup, tmp_path, layout, [[[2, 0, 1]]], trainers=trainers)
+    assert any("deepstack_merger_list" in n for n in params)

@@ -186,7 +186,8 @@ def test_steps_match_transformers(parity_setup, plan_sample, trainers, tmp_path,
 # Qwen3-VL (DeepStack on): the layouts its family has (models/family/qwen3_vl.py), micro-batches with two images
 # and a text-only sample together; vision tensor parallelism with the DeepStack mergers split as the merger;
 # sequence parallelism with an all-to-all in every block (sp4: the 6 x 4-patch image cut into pieces of one or
-# two merge units); fan-out: one SP-2 vision replica serving two TP-2 text replicas.
+# two merge units); fan-out: one SP-2 vision replica serving two TP-2 text replicas; fan-in: two vision replicas
+# serving one TP-2 text replica.
 QWEN3_LAYOUTS = [
     pytest.param([], [[[0, 2], [1]]], False, id="1v1t"),
     pytest.param(SP2 + TP2, [[[0, 2], [1]]], True, id="sp2-tp2"),
@@ -215,6 +216,8 @@ QWEN3_LAYOUTS = [
         False,
         id="fanout-sp2-2xtp2",
     ),
+    # fan-in: two vision replicas feeding one TP-2 text replica, each encoding one of its micro-batches
+    pytest.param(["vision.num_actors=2"] + TP2, [[[0, 2], [1]]], False, id="fanin-2v-tp2"),
 ]
 
 
