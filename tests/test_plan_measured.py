@@ -8,7 +8,8 @@ rank records the bytes its training forward keeps for backward (saved-tensor hoo
 reports its parameter, gradient and AdamW bytes (`state_bytes`). The plan's formulas, evaluated for that rank at
 that micro-batch's size (`memory_plan.kept_activations`, `model_state_bytes`), must be within 10 % of each
 (AdamW: the plan's largest ZeRO-1 share against the largest rank's); a change to the model or the code that the
-plan does not follow fails there.
+plan does not follow fails there. Qwen3-VL's parity cases marked `planned` (SP 2 / TP 2 and TP 2 / TP 2) do the same
+on the tiny Qwen3-VL, with its 26 x 30-patch parity sample (its own 16 px patches).
 
 The fine-tuning cases here hold it to what trains, zero where nothing does, on a tiny-but-deep Qwen2.5-VL (16 ViT
 blocks, 4 of them full attention; 12 decoder layers) and the same image; the frozen ViT under SP 2 / TP 2 is
