@@ -9,11 +9,6 @@ and which of them a stream reads, and from where, is `dataflow/positions.py`'s. 
 and scalar metadata (docs/design.md, invariant 3): the vision pool is handed the vision refs, the text pool
 the text refs.
 
-Each epoch is its own Ray Data execution (its own shuffle). A stream that repeats starts the next epoch's
-execution when it reaches the last file of the current epoch (`NextEpoch`), so that the new execution's start-up
-(tasks scheduled, preprocessing processes started again where Ray retired the idle ones: seconds) overlaps
-training instead of stalling the step after the epoch boundary.
-
 Nothing materializes a dataset: `iter_rows` streams, so memory is Ray Data's pipeline buffers plus the
 one global batch being packed here, whatever the dataset's size. The one unit held whole is an
 annotation file or a shard (its records are shuffled together), so very large annotation sets are best split
@@ -23,11 +18,8 @@ into several files (`data.train` takes a comma-separated list).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import threading
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,32 +154,6 @@ def build_dataset(
     )
 
 
-class NextEpoch:
-    """An epoch's rows, their execution started in a thread ahead of time: `take` waits for its first row (or its
-    end, or its error, raised there) and gives the whole iterator."""
-
-    def __init__(self, epoch: int, start: Any):
-        self.epoch, self.head, self.error = epoch, (), None
-        self.rows: Iterator[dict[str, Any]] = iter(())
-        self.thread = threading.Thread(target=self._first, args=(start,), name=f"epoch-{epoch}", daemon=True)
-        self.thread.start()
-
-    def _first(self, start: Any) -> None:
-        try:
-            self.rows = start()
-            self.head = (next(self.rows),)
-        except StopIteration:
-            self.head = ()
-        except BaseException as e:  # noqa: BLE001 (raised by `take`, on the stream's own thread)
-            self.error = e
-
-    def take(self) -> Iterator[dict[str, Any]]:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return itertools.chain(self.head, self.rows)
-
-
 class BatchLoader:
     """Ray actor owning one stream of global batches: one per text replica (models/parallel/routing.py). Made by
     `loader_actor`: its `probe` thread answers `position` while the stream's own calls run one at a time."""
@@ -224,8 +190,6 @@ class BatchLoader:
         self.cursor = 0  # rows (good or skipped) consumed in this epoch, and the last one's source (file:line,
         self.source = ""  # shard:key): the position, for people
         self.ahead: dict[str, Any] | None = None  # the row `start` read, not yet handed out
-        self.next_epoch: NextEpoch | None = None  # the next epoch's rows, started before this one ends
-        self.last_part = -1  # the part (file) this epoch's reads end with: reaching it starts `next_epoch`
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
         self.good = 0
@@ -281,7 +245,7 @@ class BatchLoader:
         self.epoch, self.cursor, self.source = state["epoch"], state["cursor"], state["source"]
         self.part, self.taken = state["part"], state["taken"]
         self.plans = {int(e): p for e, p in state["plans"].items()}
-        self.rows, self.ahead, self.exhausted, self.next_epoch = None, None, False, None
+        self.rows, self.ahead, self.exhausted = None, None, False
         self.good, self.skipped = state["good"], Counter(state["skipped"])
         self.skip_examples = list(state["skip_examples"])
         self._dry_streak()
@@ -293,37 +257,17 @@ class BatchLoader:
         self.epoch_reads: dict[int, float] = {}
         self.epoch_whole = False  # this epoch's reads are this stream's whole share (not resumed into)
 
-    def _epoch_reads(self, epoch: int, part: int, taken: int) -> tuple[list[Read], bool, dict[int, float]]:
-        """This stream's reads of `epoch` from position (part, taken) on; whether they are its whole share of the
-        epoch (not resumed into); the files read from their start, with the share of each read."""
-        seed = None if self.seed is None else self.seed + epoch
+    def _epoch_rows(self) -> Any:
+        """This stream's rows of the epoch, from its position on."""
+        seed = None if self.seed is None else self.seed + self.epoch
         paths = self.args[0]
-        whole = epoch not in self.plans and part < 0
-        mine = resumed(reads(len(paths), self.plans.get(epoch), *self.stream, self.records.deals), part, taken)
+        self.epoch_whole = self.epoch not in self.plans and self.part < 0
+        mine = resumed(
+            reads(len(paths), self.plans.get(self.epoch), *self.stream, self.records.deals), self.part, self.taken
+        )
         order = self.records.order(len(paths), seed)
-        return mine, whole, {order[r.part]: 1 / r.step for r in mine if r.first == 0}
-
-    def _rows_of(self, epoch: int, mine: list[Read]) -> Iterator[dict[str, Any]]:
-        seed = None if self.seed is None else self.seed + epoch
+        self.epoch_reads = {order[r.part]: 1 / r.step for r in mine if r.first == 0}  # read from their start
         return iter(build_dataset(*self.args, seed=seed, reads=mine).iter_rows() if mine else ())
-
-    def _epoch_rows(self) -> Iterator[dict[str, Any]]:
-        """This stream's rows of the epoch, from its position on (started ahead by `_start_next_epoch`, if it
-        was)."""
-        mine, self.epoch_whole, self.epoch_reads = self._epoch_reads(self.epoch, self.part, self.taken)
-        self.last_part = mine[-1].part if mine else -1
-        ahead, self.next_epoch = self.next_epoch, None
-        if ahead is not None and ahead.epoch == self.epoch and self.part < 0:
-            return ahead.take()
-        return self._rows_of(self.epoch, mine)
-
-    def _start_next_epoch(self) -> None:
-        """Start the next epoch's execution now (this stream has reached its last file of this epoch): the next
-        epoch is read from its start, whatever happens to this one."""
-        if self.repeat:
-            epoch = self.epoch + 1
-            mine = self._epoch_reads(epoch, -1, 0)[0]
-            self.next_epoch = NextEpoch(epoch, lambda: self._rows_of(epoch, mine))
 
     def _end_epoch(self) -> None:
         self.rows, self.cursor, self.part, self.taken = None, 0, -1, 0
@@ -371,8 +315,6 @@ class BatchLoader:
             self.source = row["source"]
             if int(row["part"]) != self.part:
                 self.part, self.taken = int(row["part"]), 0
-            if self.part == self.last_part and self.next_epoch is None:
-                self._start_next_epoch()
             self.taken += 1
             return row
         return None

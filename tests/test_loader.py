@@ -9,7 +9,7 @@ import pyarrow.fs as pafs
 import pytest
 import ray
 
-from dhp.dataflow.loader import BatchLoader, loader_actor
+from dhp.dataflow.loader import loader_actor
 from dhp.dataflow.positions import Read
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import split_records
@@ -123,25 +123,27 @@ def test_shuffle_is_seeded(annotations, ray_session):
 
 def test_a_resume_at_the_end_of_an_epoch_goes_on_into_the_next(annotations, ray_session):
     """The checkpoint's position is its epoch's last record: the resumed stream reads nothing more of that epoch,
-    which is not an epoch without a usable sample; it continues with the next, as the uninterrupted stream does.
-    The uninterrupted stream started that next epoch ahead: one file is its last file from the epoch's first row,
-    so the next execution's start-up overlaps training; its rows are those the resumed stream reads without it."""
+    which is not an epoch without a usable sample; it continues with the next, as the uninterrupted stream does."""
     settings = PreprocessSettings(str(annotations), min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=400)
-    args = ([str(annotations / "train.json")], settings, architecture_config("tiny"))
-    kwargs = {"global_batch_size": GOOD // 2, "microbatch_tokens": 400, "seed": 0, "repeat": True}
-    first = BatchLoader(*args, **kwargs)
-    first.next_batch()
-    ahead = first.next_epoch
-    assert ahead is not None and ahead.epoch == 1
-    end = first.next_batch()
+
+    def stream():
+        return loader_actor().remote(
+            [str(annotations / "train.json")],
+            settings,
+            architecture_config("tiny"),
+            global_batch_size=GOOD // 2,
+            microbatch_tokens=400,
+            seed=0,
+            repeat=True,
+        )
+
+    first = stream()
+    end = [ray.get(first.next_batch.remote()) for _ in range(2)][-1]
     assert (end.state["epoch"], end.state["part"], end.state["taken"]) == (0, 0, GOOD)
-    ahead.thread.join(120)
-    assert not ahead.thread.is_alive() and ahead.error is None and ahead.head  # epoch 1's first row, waiting
-    resumed = BatchLoader(*args, **kwargs)
-    resumed.restore(end.state)
-    after, uninterrupted = resumed.next_batch(), first.next_batch()
+    resumed = stream()
+    ray.get(resumed.restore.remote(end.state))
+    after, uninterrupted = ray.get([resumed.next_batch.remote(), first.next_batch.remote()])
     assert after.epoch == 1 and after.ids == uninterrupted.ids
-    assert first.next_epoch is not None and first.next_epoch.epoch == 2
 
 
 def test_replicas_get_disjoint_records_covering_the_file(tmp_path):
