@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dhp.models.qwen2_5_vl import IGNORE_INDEX, count_label_tokens
+from dhp.labels import IGNORE_INDEX, count_label_tokens
 
 
 @dataclass

@@ -39,8 +39,8 @@ from dhp.dataflow.storage import filesystem, is_uri, resolve, scheme_of
 from dhp.dataflow.video import BadVideo, VideoSettings, decode_frames
 from dhp.dataflow.video_formats import VIDEO_TEXT, SampledVideo
 from dhp.errors import one_line
+from dhp.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 PLACEHOLDERS = re.compile("<image>|<video>")

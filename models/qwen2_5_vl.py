@@ -22,10 +22,9 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLTextModel,
 )
 
+from dhp.labels import IGNORE_INDEX
 from dhp.models.packed_attention import varlen_kernel
 from dhp.models.window_attention import group_segment_attention
-
-IGNORE_INDEX = -100
 
 
 class VisionModel(nn.Module):
@@ -162,11 +161,6 @@ class TextModel(nn.Module):
     @staticmethod
     def hf_name(name: str) -> str:
         return name if name.startswith("lm_head.") else "model." + name
-
-
-def count_label_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry loss after the causal shift: the denominator of the mean loss."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 def rope_positions(

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from dhp.dataflow.packing import MicroBatchMeta, meta_of, text_inputs, vision_inputs
+from dhp.labels import count_label_tokens
 from dhp.models.architectures import architecture_config
 from dhp.models.planning.flops import (
     TRAIN_FACTOR,
@@ -29,7 +30,7 @@ from dhp.models.planning.flops import (
     vision_forward_flops_estimate,
     window_lengths,
 )
-from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel, VisionModel, count_label_tokens
+from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel, VisionModel
 
 IMAGE, START, END = 151655, 151652, 151653
 # (1, 20, 28): 10 x 14 merge units -> 3 x 4 windows with partial ones at the edges; (1, 8, 8): smaller

@@ -21,10 +21,11 @@ import torch
 import tests.test_parity as parity
 from dhp.dataflow.loader import MicroBatch, split_for_ranks
 from dhp.dataflow.packing import meta_of, microbatch_inputs, pack, packed_text_inputs, text_inputs, vision_inputs
+from dhp.labels import count_label_tokens
 from dhp.models import packed_attention
 from dhp.models.architectures import architecture_config
 from dhp.models.packed_attention import PACKED_SDPA, VarlenKernel, packed_sdpa_forward, varlen_kernel
-from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel, VisionModel, count_label_tokens
+from dhp.models.qwen2_5_vl import IGNORE_INDEX, TextModel, VisionModel
 from dhp.stages.run_log import throughput
 from tests.conftest import rel_err
 

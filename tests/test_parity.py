@@ -519,7 +519,7 @@ def test_pipelined_order_trains_like_serial(parity_setup, trainers):
 def test_export_hf_matches_dhp_model(request, trainers, tmp_path, setup, layout):
     """Per-rank dhp checkpoint -> `dhp export-hf` -> transformers: same tensors, same loss on a test batch; for each
     model family, from its released-name checkpoint."""
-    from dhp.models.qwen2_5_vl import count_label_tokens
+    from dhp.labels import count_label_tokens
     from dhp.stages.cli import main
 
     ref, ckpt, samples = request.getfixturevalue(setup)

@@ -28,8 +28,8 @@ from dhp.dataflow.preprocess import (
     encode_sample,
 )
 from dhp.dataflow.tokenizer import load_tokenizer
+from dhp.labels import count_label_tokens
 from dhp.models.architectures import architecture_config
-from dhp.models.qwen2_5_vl import count_label_tokens
 from tests.conftest import write_image
 
 MIN_PIXELS, MAX_PIXELS, MAX_SEQ_LEN = 56 * 56, 224 * 224, 2048

@@ -15,11 +15,11 @@ import torch
 
 from dhp.dataflow.packing import text_inputs, vision_inputs
 from dhp.errors import ConfigError
+from dhp.labels import count_label_tokens
 from dhp.models.architectures import architecture_config
 from dhp.models.family import QWEN2_5_VL, QWEN3_VL, family_of, family_of_shape, load_config
 from dhp.models.parallel.checks import check_layout
 from dhp.models.parallel.layouts import available
-from dhp.models.qwen2_5_vl import count_label_tokens
 from dhp.models.weights.hf_checkpoint import load_stage_weights
 from dhp.stages.config import load_config as load_run_config
 from tests.conftest import rel_err
