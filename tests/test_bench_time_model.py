@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 
 from dhp.models.planning.hardware import datasheet, profile
-from dhp.scripts.bench.time_model import CONFIGS, OVERSUBSCRIBED, TOLERANCE, run, table
+from dhp.scripts.bench.time_model import CONFIGS, MIXED, OVERSUBSCRIBED, TOLERANCE, run, table
 
 CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "results" / "ops_profile_cpu.json"
 
 
 def test_plan_predicts_every_measured_step_within_tolerance(ray_session):
     result = run(None, quick=True, steps=3)
-    assert [r["config"] for r in result["rows"]] == list(CONFIGS) and len(CONFIGS) >= 6
+    assert [r["config"] for r in result["rows"]] == list(CONFIGS) + list(MIXED) and len(CONFIGS) >= 6
+    # a global batch of unequal images, predicted from each micro-batch's own sizes
+    assert all(len(set(r["mixed_patches"])) == len(r["mixed_patches"]) == 3 for r in result["rows"][len(CONFIGS) :])
     for r in result["rows"]:
         assert r["checked"] and r["measured_s"] > 0 and r["predicted_s"] > 0
         assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
@@ -35,7 +37,7 @@ def test_plan_predicts_every_measured_step_within_tolerance(ray_session):
     assert rows["none / none, pipelined"]["predicted_s"] < rows["none / none, serial"]["predicted_s"]
     off = [r["config"] for r in result["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
     if off:  # another process may have taken a core for a while: profile and those configurations once more
-        again = run(None, quick=True, steps=3, configs={k: CONFIGS[k] for k in off})
+        again = run(None, quick=True, steps=3, configs={k: {**CONFIGS, **MIXED}[k] for k in off})
         off = [r["config"] for r in again["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
         assert not off, (
             f"predicted / measured outside 1 +- {TOLERANCE} twice: {off}\n{table(result)}\nagain:\n{table(again)}"

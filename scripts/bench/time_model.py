@@ -12,6 +12,10 @@ predicted parts, and each stage call's measured and predicted seconds. Every rat
 `TOLERANCE`: tests/test_bench_time_model.py checks it with a profile measured in the same test
 session; docs/time_model.md has the numbers.
 
+`MIXED` rows train a global batch of unequal samples instead (images of `MIX` pixels, one per micro-batch, each
+with the same conversation) and are predicted by `time_model.step_time_of` from each micro-batch's own sizes, as
+`dhp plan --time --data-profile` predicts a length mix: the check that a mix is costed as it runs.
+
 The configurations keep at most as many actors busy at once as the machine has cores (two here): serial
 orders run one pool at a time, and the pipelined ones have one actor per pool. With more busy actors than
 cores, gloo collectives wait for descheduled peers, and the plan, which gives a CPU actor a core, says
@@ -55,6 +59,11 @@ CONFIGS: dict[str, list[str]] = {
     "zero3 2 / zero3 2, serial": ZERO3 + SERIAL,
 }
 OVERSUBSCRIBED: dict[str, list[str]] = {"sequence 2 / tensor 2, pipelined": SP2 + TP2 + PIPELINED}
+MIX = ((448, 224), (1344, 448), (896, 448))  # pixels: 512, 3 072 and 2 048 patches, in micro-batch order
+MIXED: dict[str, list[str]] = {
+    "none / none, serial, mixed sizes": SERIAL,
+    "sequence 2 / none, serial, mixed sizes": SP2 + SERIAL,
+}
 TOLERANCE = 0.20
 
 
@@ -90,27 +99,54 @@ def deep_sample(
     return config, ckpt, sample
 
 
-def global_batches(sample: dict, cfg: Any, model_config: Any, per_replica: int, replicas: int) -> list[Any]:
-    """Each text replica's part of one global batch: `per_replica` one-sample micro-batches, split for the
-    vision pool's sequence-parallel ranks as the loader splits them."""
+def global_batches(
+    sample: dict | list[dict], cfg: Any, model_config: Any, per_replica: int, replicas: int
+) -> list[Any]:
+    """Each text replica's part of one global batch: `per_replica` one-sample micro-batches of `sample` (a list:
+    one micro-batch per sample, in order, the same list for every replica), split for the vision pool's
+    sequence-parallel ranks as the loader splits them."""
     import ray
 
     from dhp.dataflow.loader import GlobalBatch, MicroBatch, split_for_ranks
     from dhp.dataflow.packing import meta_of, text_inputs, vision_inputs
     from dhp.models.parallel.layouts import stage_layout
 
-    vision, text = vision_inputs([sample]), text_inputs([sample], pad_id=151643)
     sp = stage_layout(cfg, "vision", model_config).loader_shards  # what the trainer gives its loaders
-    parts = [ray.put(p) for p in split_for_ranks(vision, text, sp, model_config)]
-    mb = MicroBatch(parts, ray.put(text), meta_of(vision, text))
-    return [GlobalBatch([mb] * per_replica, epoch=0) for _ in range(replicas)]
+
+    def microbatch(one: dict) -> Any:
+        vision, text = vision_inputs([one]), text_inputs([one], pad_id=151643)
+        parts = [ray.put(p) for p in split_for_ranks(vision, text, sp, model_config)]
+        return MicroBatch(parts, ray.put(text), meta_of(vision, text))
+
+    mbs = [microbatch(one) for one in sample] if isinstance(sample, list) else [microbatch(sample)] * per_replica
+    return [GlobalBatch(mbs, epoch=0) for _ in range(replicas)]
+
+
+def mixed_samples(root: Path, model_config: Any) -> list[dict]:
+    """One preprocessed sample per image size of `MIX` (the deep model's, the same conversation)."""
+    samples = []
+    for k, image in enumerate(MIX):
+        (root / f"mix{k}").mkdir(exist_ok=True)
+        samples.append(deep_sample(root / f"mix{k}", image, save=False)[2])
+    return samples
+
+
+def shapes_of(samples: list[dict]) -> list[Any]:
+    """The time model's micro-batch of each one-sample micro-batch: its image's patches, its length, its text."""
+    from dhp.models.planning.time_model import MicroBatchShape
+
+    out = []
+    for one in samples:
+        patches, length = int(one["image_grid_thw"].prod()), len(one["input_ids"])
+        out.append(MicroBatchShape(images=(patches,), lengths=(length,), text_tokens=(length - patches // 4,)))
+    return out
 
 
 def measure_step(
     overrides: list[str],
     ckpt: Path,
     model_config: Any,
-    sample: dict,
+    sample: dict | list[dict],
     microbatches: int,
     steps: int,
     previous: Any = None,
@@ -121,7 +157,7 @@ def measure_step(
     from dhp.stages.config import load_config
     from dhp.stages.trainer import trainer_for
 
-    length = len(sample["input_ids"])
+    length = max(len(one["input_ids"]) for one in (sample if isinstance(sample, list) else [sample]))
     cfg = load_config(
         "tiny",
         BASE
@@ -172,7 +208,7 @@ def run(
     import ray
 
     from dhp.models.planning.hardware import profile as load_profile
-    from dhp.models.planning.time_model import Workload
+    from dhp.models.planning.time_model import Workload, step_time_of
     from dhp.scripts.plan_time import predict, prepare
 
     started = not ray.is_initialized()
@@ -191,18 +227,32 @@ def run(
             w = Workload(patches, len(sample["input_ids"]) - patches // 4)
             microbatches = 2 if quick else 4
             rows, trainer = [], None
-            chosen = configs or {**CONFIGS, **({} if quick else OVERSUBSCRIBED)}
+            chosen = configs or {**CONFIGS, **({} if quick else OVERSUBSCRIBED), **MIXED}
+            mix = mixed_samples(Path(tmp), model_config) if set(chosen) & set(MIXED) else []
             try:
                 for name, overrides in chosen.items():
+                    mixed = name in MIXED
                     m, trainer = measure_step(
-                        overrides, ckpt, model_config, sample, microbatches, steps or (2 if quick else 3), trainer
+                        overrides,
+                        ckpt,
+                        model_config,
+                        mix if mixed else sample,
+                        len(mix) if mixed else microbatches,
+                        steps or (2 if quick else 3),
+                        trainer,
                     )
-                    p = predict(prepare(m["cfg"], prof, None, w), model_config, prof, w)
+                    if mixed:
+                        longest = max(len(one["input_ids"]) for one in mix)
+                        cfg = prepare(m["cfg"], prof, None, w, longest)
+                        p = step_time_of(cfg, model_config, prof, [shapes_of(mix)])
+                    else:
+                        p = predict(prepare(m["cfg"], prof, None, w), model_config, prof, w)
                     rows.append(
                         {
                             "config": name,
                             "overrides": overrides,
                             "checked": name not in OVERSUBSCRIBED,
+                            "mixed_patches": [int(one["image_grid_thw"].prod()) for one in mix] if mixed else None,
                             "measured_s": m["measured_s"],
                             "steps_s": m["steps_s"],
                             "predicted_s": p["step_s"],
@@ -251,6 +301,9 @@ def table(result: dict[str, Any]) -> str:
             f"| {r['config']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['ratio']:.2f} | "
             f"{'yes' if r['checked'] else 'no'} |"
         )
+    mixed = next((r["mixed_patches"] for r in result["rows"] if r.get("mixed_patches")), None)
+    if mixed:
+        lines += ["", f"mixed sizes: a global batch of {len(mixed)} one-image micro-batches of {mixed} patches"]
     return "\n".join(lines)
 
 
