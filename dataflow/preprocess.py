@@ -150,15 +150,17 @@ class Preprocessor:
         self.settings = settings
         self.config = model_config
         vc = model_config.vision_config
+        family = family_of(model_config)
         self.image_processor = Qwen2VLImageProcessorPil(
             min_pixels=settings.min_pixels,
             max_pixels=settings.max_pixels,
             patch_size=vc.patch_size,
             temporal_patch_size=vc.temporal_patch_size,
             merge_size=vc.spatial_merge_size,
+            image_mean=list(family.image_mean),  # the family's normalisation (models/family/base.py)
+            image_std=list(family.image_std),
         )
         self.tokenizer = load_backend(settings.tokenizer_path)  # tokenizers' object: what transformers' wraps
-        family = family_of(model_config)
         self.rope_positions = family.rope_positions  # the model family's mRoPE positions
         # how the family samples, sizes and writes a video (dataflow/video_formats.py)
         self.video_format = family.video_format

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
@@ -207,6 +208,30 @@ def test_rgba_pixels_match_transformers(pre, image_root, ref_processor):
     record = {"image": "rgba.png", "conversations": conv("<image>What?", "Noise.")}
     sample = pre.process(json.dumps(record))
     ref = ref_processor(images=[Image.open(image_root / "rgba.png")], return_tensors="np")
+    np.testing.assert_array_equal(sample["image_grid_thw"], ref["image_grid_thw"])
+    np.testing.assert_array_equal(sample["pixel_values"], ref["pixel_values"])
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_vl_tiny"])
+def test_each_family_normalises_as_its_checkpoints(name, image_root):
+    """Qwen2.5-VL's images are normalised with OpenAI CLIP's mean and std, Qwen3-VL's with 0.5 per channel (its
+    released checkpoints' preprocessor config; transformers' Qwen3-VL video processor defaults to the same): the
+    pixels are transformers' image processor's with that normalisation and the family's patch size."""
+    config = architecture_config(name)
+    vc = config.vision_config
+    mean, std = {"tiny": (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), "qwen3_vl_tiny": ([0.5] * 3, [0.5] * 3)}[name]
+    sample = make_preprocessor(image_root, config).process(
+        json.dumps({"image": "a.png", "conversations": conv("<image>What?", "Noise.")})
+    )
+    ref = Qwen2VLImageProcessorPil(
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        patch_size=vc.patch_size,
+        temporal_patch_size=vc.temporal_patch_size,
+        merge_size=vc.spatial_merge_size,
+        image_mean=list(mean),
+        image_std=list(std),
+    )(images=[Image.open(image_root / "a.png")], return_tensors="np")
     np.testing.assert_array_equal(sample["image_grid_thw"], ref["image_grid_thw"])
     np.testing.assert_array_equal(sample["pixel_values"], ref["pixel_values"])
 

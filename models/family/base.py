@@ -26,6 +26,10 @@ class ModelFamily:
     layouts: ClassVar[dict[str, tuple[str, ...]]] = {}
     # the special token ids a named shape's config gets (image / video pads, vision start / end)
     token_ids: ClassVar[dict[str, int]] = {}
+    # the per-channel mean and std images are normalised with (the released checkpoints' preprocessor config):
+    # OpenAI CLIP's, as transformers' Qwen2-VL image processor defaults to
+    image_mean: ClassVar[tuple[float, float, float]] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: ClassVar[tuple[float, float, float]] = (0.26862954, 0.26130258, 0.27577711)
 
     # --- configs ---------------------------------------------------------------------------------------
 

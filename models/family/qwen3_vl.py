@@ -123,6 +123,8 @@ class Qwen3_VL(ModelFamily):
     shapes = SHAPES
     layouts = {"vision": ("none", "sequence", "tensor", "zero3"), "text": ("none", "tensor", "zero3")}
     token_ids = QWEN_VL_TOKEN_IDS
+    # 0.5 per channel, as transformers' Qwen3VLVideoProcessor defaults to for frames (the same encoder)
+    image_mean = image_std = (0.5, 0.5, 0.5)
     vision_mlp_linears = 2  # linear_fc1, linear_fc2
     vision_layer_norm = True
     text_head_norms = ("q_norm", "k_norm")
