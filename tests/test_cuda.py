@@ -123,6 +123,58 @@ def test_dhp_train_on_one_gpu_learns(tmp_path):
     assert all(0 < r["mfu"] < 1 for r in records)
 
 
+def test_qwen3_vl_2b_trains_videos_on_one_gpu(tmp_path):
+    """Qwen3-VL at a released size (2B, drawn at random: nothing downloaded) on one GPU, both pools' ranks
+    sharing it, bf16 autocast, a synthetic set half of whose records are short videos (MPEG-4 files and frame
+    lists): every step's loss finite, nothing skipped, videos among the records trained. The same command with
+    `model.name=qwen3_vl_tiny` runs on CPU; the layouts' Qwen3-VL video parity is tests/test_video_parity.py."""
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "runs" / "qwen3"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dhp.stages.cli",
+        "train",
+        "model.name=qwen3_vl_2b",
+        "model.dtype=bfloat16",
+        "model.attn_implementation=sdpa",
+        "vision.parallelism=none",
+        "vision.num_actors=1",
+        "vision.degree=1",
+        "vision.num_gpus_per_actor=0.5",
+        "text.parallelism=none",
+        "text.num_actors=1",
+        "text.degree=1",
+        "text.num_gpus_per_actor=0.5",
+        "data.synthetic.num=32",
+        "data.synthetic.eval_num=0",
+        "data.synthetic.video_fraction=0.5",
+        "data.video.max_pixels=200704",  # frames x height x width of a clip (Qwen3-VL bounds the whole clip)
+        f"data.synthetic.dir={tmp_path}/synth",
+        "training.steps=6",
+        "training.eval_every=0",
+        "training.checkpoint_every=0",
+        "output.save_final_checkpoint=false",
+        f"output.dir={tmp_path}/runs",
+        "output.name=qwen3",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("device cuda") == 2, proc.stdout[:2000]
+    assert "skipped records: none" in proc.stdout, proc.stdout[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(math.isfinite(r["loss"]) for r in records)
+    lines = (tmp_path / "synth" / "train.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    trained = [src for step in steps for _, src in step["ids"]]
+    assert any("video" in json.loads(lines[int(src.rsplit(":", 1)[1]) - 1]) for src in trained)
+
+
 def test_per_part_init_draws_each_part_on_the_gpu():
     """`model.random_init=per_part` (what `dhp bench one-gpu` builds released shapes with) on CUDA: each TP rank's
     parts drawn on the device form one model of the exact build's distribution (tests/test_random_init.py is the
