@@ -32,7 +32,9 @@ def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
     if not d.train:
         s = d.synthetic
         synth = write_synthetic_dataset(s.dir, s.num, seed=s.seed, eval_num=s.eval_num, video_fraction=s.video_fraction)
-        return [str(synth.train_path.resolve())], [str(synth.val_path.resolve())], str(synth.out_dir.resolve())
+        # data.synthetic.eval_num=0: no held-out split (its empty file would evaluate to a loss of nothing)
+        evals = [str(synth.val_path.resolve())] if s.eval_num else []
+        return [str(synth.train_path.resolve())], evals, str(synth.out_dir.resolve())
     from dhp.dataflow.sources import expand_paths, record_format
     from dhp.dataflow.storage import filesystem_of_all, require_file, resolve
 

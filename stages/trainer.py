@@ -393,6 +393,10 @@ class Trainer:
                 if batch is None:
                     break
                 self._eval_batches.append(batch)
+            if not self._eval_batches:
+                print("evaluation: the held-out data has no usable record; no eval_loss is reported", flush=True)
+        if not self._eval_batches:
+            return None
         # On replica 0 of each pool: evaluation is small and needs no gradient sync. A lockstep pool (ZeRO-3's
         # per-block all-gathers span it) runs every micro-batch on all its replicas and replica 0's is taken.
         vision = range(self.vision.dp) if self.vision.layout.lockstep else range(1)

@@ -214,3 +214,18 @@ def test_crash_midway_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
     monkeypatch.undo()
     s = write_synthetic_dataset(out, num=10, seed=0, eval_num=2)
     assert not s.reused and len(_load(s.train_path)) == 10
+
+
+@pytest.mark.parametrize("eval_num", [0, 4])
+def test_a_run_evaluates_only_with_held_out_records(tmp_path, eval_num):
+    """`dhp train`'s data for the synthetic set: `data.synthetic.eval_num=0` gives it no held-out split (an empty
+    one would report a loss of nothing), any other number one file of that many records."""
+    from dhp.stages.config import load_config
+    from dhp.stages.driver import resolve_data
+
+    cfg = load_config(
+        "tiny", [f"data.synthetic.dir={tmp_path}", "data.synthetic.num=8", f"data.synthetic.eval_num={eval_num}"]
+    )
+    train, evals, _ = resolve_data(cfg)
+    assert len(train) == 1 and len(evals) == (1 if eval_num else 0)
+    assert [len(Path(p).read_text().splitlines()) for p in evals] == ([eval_num] if eval_num else [])
