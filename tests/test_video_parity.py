@@ -101,17 +101,11 @@ def reference_inputs(samples: list[dict[str, torch.Tensor]], timestamps: bool = 
     return inputs
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_video_batch_matches_transformers_sp2_tp2(parity_setup, video_samples, trainers, packed):
-    ref, ckpt, _ = parity_setup
-    samples = video_samples
-    inputs = reference_inputs(samples)
-    assert inputs["video_grid_thw"].tolist() == [[2, 12, 16], [2, 6, 8]]
-    assert inputs["second_per_grid_ts"].tolist() == [1.0, 1.0]
+def sp2_tp2_config(ckpt, samples: list[dict], packed: bool):
+    """SP 2 vision / TP 2 text on the parity setup's checkpoint, a budget that takes every sample at once."""
     longest = max(s["input_ids"].shape[0] for s in samples)
     total = sum(s["input_ids"].shape[0] for s in samples)
-    cfg = load_config(
+    return load_config(
         "tiny",
         BASE
         + [
@@ -130,10 +124,11 @@ def test_video_batch_matches_transformers_sp2_tp2(parity_setup, video_samples, t
         + SP2
         + TP2,
     )
-    if packed:  # one sequence: a video with an image, the text-only sample, the video of frame files
-        batch = GlobalBatch([_packed_microbatch([samples[0], samples[2], samples[1]], cfg)], epoch=0)
-    else:  # one micro-batch of both videos and the image, one text-only
-        batch = GlobalBatch([_microbatch([samples[0], samples[1]], cfg), _microbatch([samples[2]], cfg)], epoch=0)
+
+
+def trains_as_reference(trainers, cfg, ref, inputs: dict, batch: GlobalBatch) -> None:
+    """`STEPS` steps of `batch` on a trainer of `cfg` against `ref` trained in one process on `inputs`: losses
+    1e-6, every gradient 1e-5 relative, grad norms 1e-5, parameters 1e-5 absolute after the last step."""
     with trainers.use(cfg) as trainer:
         expected = reference_trajectory(copy.deepcopy(ref), inputs, cfg)
         for step in range(STEPS):
@@ -151,6 +146,22 @@ def test_video_batch_matches_transformers_sp2_tp2(parity_setup, video_samples, t
         for name, p in expected.params.items():
             diff = (params[name] - p).abs().max().item()
             assert diff <= 1e-5, f"{name} differs by {diff:.2e} after {STEPS} steps"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_video_batch_matches_transformers_sp2_tp2(parity_setup, video_samples, trainers, packed):
+    ref, ckpt, _ = parity_setup
+    samples = video_samples
+    inputs = reference_inputs(samples)
+    assert inputs["video_grid_thw"].tolist() == [[2, 12, 16], [2, 6, 8]]
+    assert inputs["second_per_grid_ts"].tolist() == [1.0, 1.0]
+    cfg = sp2_tp2_config(ckpt, samples, packed)
+    if packed:  # one sequence: a video with an image, the text-only sample, the video of frame files
+        batch = GlobalBatch([_packed_microbatch([samples[0], samples[2], samples[1]], cfg)], epoch=0)
+    else:  # one micro-batch of both videos and the image, one text-only
+        batch = GlobalBatch([_microbatch([samples[0], samples[1]], cfg), _microbatch([samples[2]], cfg)], epoch=0)
+    trains_as_reference(trainers, cfg, ref, inputs, batch)
 
 
 # Qwen3-VL: 4 frames of 96 x 64 px at 3 fps, the clip's bound exactly their pixels -> 2 temporal patches of 4 x 6
@@ -194,46 +205,10 @@ def test_qwen3_vl_video_batch_matches_transformers_sp2_tp2(
     inputs = reference_inputs(samples, timestamps=True)
     assert inputs["video_grid_thw"].tolist() == [[2, 4, 6]]
     assert int((samples[0]["input_ids"] == 151652).sum()) == 3  # <|vision_start|>: two temporal patches, an image
-    longest = max(s["input_ids"].shape[0] for s in samples)
-    total = sum(s["input_ids"].shape[0] for s in samples)
-    cfg = load_config(
-        "tiny",
-        BASE
-        + [
-            f"model.path={ckpt}",
-            f"data.microbatch_tokens={total}",
-            f"data.packing={str(packed).lower()}",
-            f"data.max_seq_len={longest}",
-            f"training.steps={STEPS}",
-            "training.warmup_steps=1",
-            "training.lr=1e-3",
-            "training.adam_eps=1e-6",  # test_parity.check_parity says why
-            "training.weight_decay=0.1",
-            "training.max_grad_norm=1.0",
-        ]
-        + RESOURCES
-        + SP2
-        + TP2,
-    )
+    cfg = sp2_tp2_config(ckpt, samples, packed)
     if packed:  # one sequence: the text-only sample, then the video with the image
         batch = GlobalBatch([_packed_microbatch([samples[1], samples[0]], cfg, ref.config)], epoch=0)
     else:
         micro = [_microbatch([samples[0]], cfg, ref.config), _microbatch([samples[1]], cfg, ref.config)]
         batch = GlobalBatch(micro, epoch=0)
-    with trainers.use(cfg) as trainer:
-        expected = reference_trajectory(copy.deepcopy(ref), inputs, cfg)
-        for step in range(STEPS):
-            loss = trainer.accumulate([batch])
-            ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
-            grads = collect(trainer, grads=True)
-            ref_loss, ref_grads = expected.losses[step], expected.grads[step]
-            assert abs(loss - ref_loss) / ref_loss <= 1e-6, (step, loss, ref_loss)
-            errors = {n: rel_err(grads[n], g) for n, g in ref_grads.items()}
-            worst = max(errors, key=errors.get)
-            assert errors[worst] <= 1e-5, f"step {step}: gradient of {worst} off by {errors[worst]:.2e}"
-            grad_norm, _ = trainer.optimizer_step()
-            assert abs(grad_norm - expected.norms[step]) / expected.norms[step] <= 1e-5
-        params = collect(trainer)
-        for name, p in expected.params.items():
-            diff = (params[name] - p).abs().max().item()
-            assert diff <= 1e-5, f"{name} differs by {diff:.2e} after {STEPS} steps"
+    trains_as_reference(trainers, cfg, ref, inputs, batch)
