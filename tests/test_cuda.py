@@ -28,6 +28,22 @@ pytestmark = [
 ]
 
 
+# `dhp train` on one GPU: each pool one rank with half of it (a multi-rank nccl group needs a GPU per rank),
+# bf16 autocast over fp32 master weights, SDPA
+ONE_GPU = [
+    "vision.parallelism=none",
+    "vision.num_actors=1",
+    "vision.degree=1",
+    "vision.num_gpus_per_actor=0.5",
+    "text.parallelism=none",
+    "text.num_actors=1",
+    "text.degree=1",
+    "text.num_gpus_per_actor=0.5",
+    "model.dtype=bfloat16",
+    "model.attn_implementation=sdpa",
+]
+
+
 @pytest.mark.parametrize(
     ("dtype", "loss_tol", "grad_cos", "boundary"),
     [
@@ -92,24 +108,12 @@ def test_dhp_train_on_one_gpu_learns(tmp_path):
     import subprocess
     import sys
 
-    one_gpu = [
-        "vision.parallelism=none",
-        "vision.num_actors=1",
-        "vision.degree=1",
-        "vision.num_gpus_per_actor=0.5",
-        "text.parallelism=none",
-        "text.num_actors=1",
-        "text.degree=1",
-        "text.num_gpus_per_actor=0.5",
-        "model.dtype=bfloat16",
-        "model.attn_implementation=sdpa",
-    ]
     cmd = [
         sys.executable,
         "-m",
         "dhp.stages.cli",
         "train",
-        *one_gpu,
+        *ONE_GPU,
         f"output.dir={tmp_path}/runs",
         "output.name=cuda",
         f"data.synthetic.dir={tmp_path}/synth",
@@ -141,16 +145,7 @@ def test_qwen3_vl_2b_trains_videos_on_one_gpu(tmp_path):
         "dhp.stages.cli",
         "train",
         "model.name=qwen3_vl_2b",
-        "model.dtype=bfloat16",
-        "model.attn_implementation=sdpa",
-        "vision.parallelism=none",
-        "vision.num_actors=1",
-        "vision.degree=1",
-        "vision.num_gpus_per_actor=0.5",
-        "text.parallelism=none",
-        "text.num_actors=1",
-        "text.degree=1",
-        "text.num_gpus_per_actor=0.5",
+        *ONE_GPU,
         "data.synthetic.num=32",
         "data.synthetic.eval_num=0",
         "data.synthetic.video_fraction=0.5",
