@@ -131,17 +131,6 @@ def mixed_samples(root: Path, model_config: Any) -> list[dict]:
     return samples
 
 
-def shapes_of(samples: list[dict]) -> list[Any]:
-    """The time model's micro-batch of each one-sample micro-batch: its image's patches, its length, its text."""
-    from dhp.models.planning.time_model import MicroBatchShape
-
-    out = []
-    for one in samples:
-        patches, length = int(one["image_grid_thw"].prod()), len(one["input_ids"])
-        out.append(MicroBatchShape(images=(patches,), lengths=(length,), text_tokens=(length - patches // 4,)))
-    return out
-
-
 def measure_step(
     overrides: list[str],
     ckpt: Path,
@@ -207,7 +196,9 @@ def run(
 ) -> dict[str, Any]:
     import ray
 
+    from dhp.dataflow.length_profile import sizes_of
     from dhp.models.planning.hardware import profile as load_profile
+    from dhp.models.planning.length_mix import longest, shape
     from dhp.models.planning.time_model import Workload, step_time_of
     from dhp.scripts.plan_time import predict, prepare
 
@@ -229,6 +220,8 @@ def run(
             rows, trainer = [], None
             chosen = configs or {**CONFIGS, **({} if quick else OVERSUBSCRIBED), **MIXED}
             mix = mixed_samples(Path(tmp), model_config) if set(chosen) & set(MIXED) else []
+            # each mixed sample as `dhp data profile` sizes it: its patches, text tokens and length
+            sizes = [sizes_of(one, model_config.vision_config.spatial_merge_size**2) for one in mix]
             try:
                 for name, overrides in chosen.items():
                     mixed = name in MIXED
@@ -242,9 +235,8 @@ def run(
                         trainer,
                     )
                     if mixed:
-                        longest = max(len(one["input_ids"]) for one in mix)
-                        cfg = prepare(m["cfg"], prof, None, w, longest)
-                        p = step_time_of(cfg, model_config, prof, [shapes_of(mix)])
+                        cfg = prepare(m["cfg"], prof, None, w, longest(sizes))
+                        p = step_time_of(cfg, model_config, prof, [[shape([one], False) for one in sizes]])
                     else:
                         p = predict(prepare(m["cfg"], prof, None, w), model_config, prof, w)
                     rows.append(
@@ -252,7 +244,7 @@ def run(
                             "config": name,
                             "overrides": overrides,
                             "checked": name not in OVERSUBSCRIBED,
-                            "mixed_patches": [int(one["image_grid_thw"].prod()) for one in mix] if mixed else None,
+                            "mixed_patches": [n for one in sizes for n in one["patches"]] if mixed else None,
                             "measured_s": m["measured_s"],
                             "steps_s": m["steps_s"],
                             "predicted_s": p["step_s"],
