@@ -6,11 +6,10 @@
     dhp plan --time|--search ... --data-profile PROFILE.json   (the length mix `dhp data profile --out` wrote)
 
 `--gpu` is a datasheet name (models/planning/hardware.py) or the JSON `dhp bench ops` wrote; `--gpu-set` replaces a
-profile field (e.g. `intra_gbps=300`). The layout is the config's; on a GPU profile this module fills in
-what the GPU count implies: `num_gpus_per_actor` (shared placement: both pools' actor b on GPU b, half a
-GPU each; disjoint: one each, the pools side by side), `model.dtype: bfloat16`, the GPU's memory for the
-memory plan, and a micro-batch of at least one sample (`data.microbatch_tokens` >= P/4 + T, or the longest
-sample of the mix).
+profile field (e.g. `intra_gbps=300`). The layout is the config's, with what the GPU count implies filled in
+(models/planning/layout_search.py `prepare`: GPUs per actor, bf16 compute, the GPU's memory, a micro-batch of
+at least one sample); `--search` ranks every layout with `layout_search.search`, the function
+`dhp train plan.layout=auto` asks too.
 
 With `--data-profile` the step is a global batch of the profile's samples (models/planning/length_mix.py says
 which and how it is split), each micro-batch costed at its own sizes, and memory planned for the largest one.
@@ -19,94 +18,23 @@ which and how it is split), each micro-batch costed at its own sizes, and memory
 
 from __future__ import annotations
 
-import copy
-import itertools
 import math
 from pathlib import Path
 from typing import Any
 
-from dhp.models.activation_checkpointing import ActivationCheckpointing
 from dhp.models.planning.hardware import Profile, profile
-from dhp.models.planning.time_model import Workload, step_time
+
+# The search lives in models/planning/ so that `dhp train plan.layout=auto` asks it without importing a script;
+# `dhp plan` uses it from here, and the benches and tests that time its predictions import it from here too
+from dhp.models.planning.layout_search import (  # noqa: F401
+    predict,
+    prepare,
+    search,
+    search_table,
+)
+from dhp.models.planning.time_model import Workload
 from dhp.scripts.results import write_json
-from dhp.stages.config import Config, ConfigError
-
-GIB = 2**30
-
-
-def prepare(cfg: Config, prof: Profile, gpus: int | None, w: Workload, longest: int | None = None) -> Config:
-    """A copy of `cfg` as it would run on `gpus` devices of `prof` (module docstring); `longest`: the tokens
-    of the longest sample a micro-batch must take (default `w`'s)."""
-    cfg = copy.deepcopy(cfg)
-    tokens = w.sample_tokens if longest is None else longest
-    if cfg.data.microbatch_tokens < tokens:
-        cfg.data.microbatch_tokens = tokens
-    cfg.data.max_seq_len = min(cfg.data.max_seq_len, cfg.data.microbatch_tokens)
-    cfg.data.max_seq_len = max(cfg.data.max_seq_len, tokens)
-    if prof.kind != "gpu":
-        return cfg
-    nv, nt = cfg.vision.num_actors, cfg.text.num_actors
-    shared = cfg.pipeline.shared
-    need = max(nv, nt) if shared else nv + nt
-    if gpus is not None and gpus != need:
-        how = (
-            f"shared placement puts vision actor b and text actor b on GPU b: max(vision.num_actors, "
-            f"text.num_actors) = {need}"
-            if shared
-            else f"disjoint pools: vision.num_actors + text.num_actors = {need}"
-        )
-        raise ConfigError(
-            f"--gpus {gpus} does not match the layout ({how}); set the pools' num_actors to fill "
-            f"{gpus} GPUs or pass --gpus {need}"
-        )
-    per_gpu = 0.5 if shared and min(nv, nt) == max(nv, nt) else 1.0
-    cfg.vision.num_gpus_per_actor = cfg.text.num_gpus_per_actor = per_gpu
-    if shared and nv != nt:  # the larger pool's extra actors have a GPU to themselves
-        cfg.vision.num_gpus_per_actor = cfg.text.num_gpus_per_actor = 0.5
-    cfg.model.dtype = "bfloat16"
-    cfg.training.gpu_memory_gib = prof.memory_gib
-    return cfg
-
-
-def predict(cfg: Config, mc: Any, prof: Profile, w: Workload, mix: list[dict] | None = None) -> dict[str, Any]:
-    """`step_time` plus the memory plan of the same configuration: `fits`, GiB per device. With `mix` (a
-    length profile's samples) the step of that mix (`length_mix.mixed_step_time`), memory at its largest
-    micro-batch."""
-    from dhp.models.planning.length_mix import mixed_step_time
-    from dhp.models.planning.memory_plan import plan
-
-    if mix is None:
-        result = step_time(cfg, mc, prof, w)
-        patches = result["largest_microbatch_patches"]
-    else:
-        result = mixed_step_time(cfg, mc, prof, mix)
-        patches = result["memory_patches"]
-    mem = plan(cfg, mc, prof.memory_gib if prof.kind == "gpu" else None, vision_patches=patches)
-    return {
-        **result,
-        "fits": mem["fits"] is not False,
-        "memory_per_device_gib": mem["per_device"] / GIB,
-        "memory_source": mem["device_source"],
-        "memory_patches": patches,
-        "layout": describe(cfg),
-    }
-
-
-def describe(cfg: Config) -> str:
-    from dhp.models.parallel.layouts import layout_class
-
-    def pool(stage: str) -> str:
-        s = getattr(cfg, stage)
-        reps = s.num_actors // s.degree
-        return f"{layout_class(stage, s.parallelism).label}{s.degree if s.degree > 1 else ''}" + (
-            f" x{reps}" if reps > 1 else ""
-        )
-
-    ac = "/".join("AC" if ActivationCheckpointing.of(s).recomputes else "-" for s in (cfg.vision, cfg.text))
-    return (
-        f"vision {pool('vision')} | text {pool('text')} | {cfg.pipeline.placement} | "
-        f"in flight {cfg.pipeline.max_in_flight} | ckpt {ac} | {cfg.model.precision}"
-    )
+from dhp.stages.config import ConfigError
 
 
 def workload_line(r: dict[str, Any]) -> str:
@@ -158,96 +86,6 @@ def table(r: dict[str, Any]) -> str:
         f"{r['memory_source']})"
         + (f", planned for the mix's largest micro-batch ({r['memory_patches']} patches)" if mixed else ""),
     ]
-    return "\n".join(lines)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _stage_options(stage: str, n: int) -> list[tuple[str, int]]:
-    """(parallelism, degree) of one pool of n ranks, for every layout of the stage: one with a model-parallel
-    group (its `check_degree` takes 2) at every divisor of n above 1, the others (plain replicas, ZeRO-3 over the
-    pool) at degree 1."""
-    from dhp.models.parallel.layouts import available, layout_class
-
-    out = []
-    for kind in available(stage):
-        if layout_class(stage, kind).check_degree(stage, 2) is None:
-            out += [(kind, d) for d in _divisors(n) if d > 1]
-        else:
-            out.append((kind, 1))
-    return out
-
-
-def candidates(base: Config, gpus: int) -> list[Config]:
-    """Every layout of `gpus` GPUs: per pool a parallelism and degree, the replicas filling the pool, shared
-    (both pools on every GPU) or disjoint (the GPUs split); pipelining and micro-batch size come after."""
-    out = []
-    splits = [("shared", gpus, gpus)] + [("disjoint", v, gpus - v) for v in range(1, gpus)]
-    for placement, nv, nt in splits:
-        for (vk, vd), (tk, td) in itertools.product(_stage_options("vision", nv), _stage_options("text", nt)):
-            cfg = copy.deepcopy(base)
-            cfg.pipeline.placement = placement
-            for s, kind, d, n in ((cfg.vision, vk, vd, nv), (cfg.text, tk, td, nt)):
-                s.parallelism, s.degree, s.num_actors = kind, d, n
-                s.activation_checkpointing = "none"
-            out.append(cfg)
-    return out
-
-
-def search(
-    base: Config, mc: Any, prof: Profile, gpus: int, w: Workload, mix: list[dict] | None = None
-) -> list[dict[str, Any]]:
-    """Ranked predictions of the layouts that fit: for each layout, micro-batch samples 1/2/4, in-flight
-    1/2/4, and the first memory lever that makes it fit: fp32 master states before pure bf16 (a choice of
-    numerics, not only of speed), and within each, no recomputation before checkpointing a pool. With `mix`
-    (a length profile's samples) each is predicted on the mix and a micro-batch takes 1/2/4 median samples'
-    tokens, at least the longest sample's."""
-    from dhp.models.parallel.checks import check_layout
-    from dhp.models.planning.length_mix import longest, summary
-
-    sample_tokens = w.sample_tokens if mix is None else summary(mix, [])["tokens_per_sample"]["p50"]
-    least = None if mix is None else longest(mix)
-
-    rows = []
-    levers = [
-        (va, ta, precision)
-        for precision in ("fp32", "bf16")
-        for va, ta in (("none", "none"), ("full", "none"), ("none", "full"), ("full", "full"))
-    ]
-    for layout in candidates(base, gpus):
-        for samples, in_flight in itertools.product((1, 2, 4), (1, 2, 4)):
-            cfg = copy.deepcopy(layout)
-            cfg.data.microbatch_tokens = max(samples * sample_tokens, least or 0)
-            cfg.pipeline.max_in_flight = in_flight
-            try:
-                check_layout(cfg, mc)
-                cfg = prepare(cfg, prof, gpus, w, least)
-            except ConfigError:
-                continue
-            for va, ta, precision in levers:
-                cfg.vision.activation_checkpointing, cfg.text.activation_checkpointing = va, ta
-                cfg.model.precision = precision
-                r = predict(cfg, mc, prof, w, mix)
-                if r["fits"]:
-                    rows.append({**r, "config": copy.deepcopy(cfg)})
-                    break
-    rows.sort(key=lambda r: -r["vision_tokens_per_s"])
-    return rows
-
-
-def search_table(rows: list[dict[str, Any]], top: int) -> str:
-    samples = "samples / largest micro-batch" if rows and "mix" in rows[0] else "samples / micro-batch"
-    lines = [
-        f"| # | layout | {samples} | step s | vision tokens/s | GiB / GPU |",
-        "|---:|---|---:|---:|---:|---:|",
-    ]
-    for i, r in enumerate(rows[:top], 1):
-        lines.append(
-            f"| {i} | {r['layout']} | {r['samples_per_microbatch']} | {r['step_s']:.3f} | "
-            f"{r['vision_tokens_per_s']:.0f} | {r['memory_per_device_gib']:.1f} |"
-        )
     return "\n".join(lines)
 
 
