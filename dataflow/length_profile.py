@@ -6,6 +6,7 @@ set when `data.train` is empty) in this process, each through the `Preprocessor`
 same smart_resize, tokenizer, chat template and skips), and keeps for each usable sample:
 
     patches      the vision patches of each image or video in it ([] for a text-only sample)
+    frames       the temporal patches of each (1 an image, a video's frame pairs: its attention segments)
     text_tokens  its sequence length minus the merged vision tokens (patches / merge_size**2 each)
     tokens       its sequence length
 
@@ -51,10 +52,14 @@ def evenly(rows: list[Any], limit: int) -> list[Any]:
 
 
 def sizes_of(sample: dict[str, Any], merge_unit: int) -> dict[str, Any]:
-    """A preprocessed sample -> its patches per visual, text tokens and sequence length."""
-    patches = [int(n) for n in sample["image_grid_thw"].prod(-1).tolist()]
+    """A preprocessed sample -> its patches and temporal patches per visual, text tokens (a Qwen3-VL video's
+    timestamps among them) and sequence length."""
+    grid = sample["image_grid_thw"]
+    patches = [int(n) for n in grid.prod(-1).tolist()]
+    frames = [int(t) for t in grid[:, 0].tolist()]
     tokens = int(sample["input_ids"].shape[0])
-    return {"patches": patches, "text_tokens": tokens - sum(p // merge_unit for p in patches), "tokens": tokens}
+    text = tokens - sum(p // merge_unit for p in patches)
+    return {"patches": patches, "frames": frames, "text_tokens": text, "tokens": tokens}
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -73,6 +73,12 @@ class VideoFormat:
         """What `<video>` becomes in the text (one `<|video_pad|>` per run) and the merged tokens of each run."""
         return VIDEO_TEXT, [int(np.prod(grid)) // merge_unit]
 
+    def markup_tokens(self, frames: int, fps: float, temporal: int) -> int:
+        """Text tokens `text` writes for a video of `frames` sampled frames at `fps` frames a second, besides its
+        pad tokens and the one `<|vision_start|>` / `<|vision_end|>` pair an image has too (the planner's text
+        count): none, the time is in the positions."""
+        return 0
+
 
 class Qwen3VideoFormat(VideoFormat):
     """Qwen3-VL's videos (module docstring)."""
@@ -126,6 +132,12 @@ class Qwen3VideoFormat(VideoFormat):
         assert len(stamps) == t, (stamps, t)
         return "".join(f"<{s:.1f} seconds>{VIDEO_TEXT}" for s in stamps), [h * w // merge_unit] * t
 
+    def markup_tokens(self, frames: int, fps: float, temporal: int) -> int:
+        # each temporal patch's `<t seconds>` and its own start / end pair, the first pair an image's too; the
+        # frames sampled evenly from 0 s at `fps`
+        stamps = timestamps(list(range(frames)), fps, temporal)
+        return sum(timestamp_tokens(s) for s in stamps) + 2 * (len(stamps) - 1)
+
 
 def timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:
     """Seconds of each temporal patch: the mean time of its first and last frame, an odd count's last frame
@@ -133,6 +145,12 @@ def timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:
     indices = list(indices) + [indices[-1]] * (-len(indices) % temporal)
     seconds = [i / fps for i in indices]
     return [(seconds[i] + seconds[i + temporal - 1]) / 2 for i in range(0, len(seconds), temporal)]
+
+
+def timestamp_tokens(seconds: float) -> int:
+    """Tokens of `<{seconds:.1f} seconds>` in the Qwen tokenizer: `<`, one per digit and the point (its
+    pre-tokenizer splits every digit), ` seconds`, `>`."""
+    return len(f"{seconds:.1f}") + 3
 
 
 VIDEO_FORMAT = VideoFormat()

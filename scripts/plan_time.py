@@ -4,6 +4,7 @@
              [--gpu-set FIELD=VALUE ...] [--config C] [KEY=VALUE ...] [--json PATH]
     dhp plan --search --gpu h100-sxm --gpus 8 [--image-patches P] [--top 10] [--out best.yaml] [--json PATH]
     dhp plan --time|--search ... --data-profile PROFILE.json   (the length mix `dhp data profile --out` wrote)
+    dhp plan --time|--search ... --video FRAMESxHxW [--image-patches P]   (a sample with a video: plan_workload.py)
 
 `--gpu` is a datasheet name (models/planning/hardware.py) or the JSON `dhp bench ops` wrote; `--gpu-set` replaces a
 profile field (e.g. `intra_gbps=300`). The layout is the config's, with what the GPU count implies filled in
@@ -32,7 +33,8 @@ from dhp.models.planning.layout_search import (  # noqa: F401
     search,
     search_table,
 )
-from dhp.models.planning.time_model import Workload
+from dhp.scripts.plan_workload import describe as describe_visuals
+from dhp.scripts.plan_workload import workload
 from dhp.scripts.results import write_json
 from dhp.stages.config import ConfigError
 
@@ -40,8 +42,9 @@ from dhp.stages.config import ConfigError
 def workload_line(r: dict[str, Any]) -> str:
     """What the prediction is of: one size, or the mix (its samples, p50/p99 per sample, the batch drawn)."""
     if "mix" not in r:
+        visuals = describe_visuals(r.get("visuals", [[1, r["image_patches"]]]))
         return (
-            f"workload: {r['image_patches']} patches + {r['text_tokens']} text tokens per sample, "
+            f"workload: {visuals} + {r['text_tokens']} text tokens per sample, "
             f"{r['samples_per_microbatch']} per micro-batch, global batch {r['global_batch_size']}, "
             f"{r['microbatches_per_text_replica']} micro-batches per text replica; profile {r['profile']}"
         )
@@ -118,14 +121,14 @@ def main(args: Any) -> int:
     cfg = load_config(args.config, args.overrides)
     mc = model_config_of(cfg)
     prof = _profile(args)
-    w = Workload(args.image_patches, args.text_tokens, args.nodes)
+    w = workload(args, cfg, mc)
     mix = load_samples(args.data_profile) if args.data_profile else None
     least = None if mix is None else longest(mix)
     if args.search:
         if not args.gpus:
             raise ConfigError("--search needs --gpus N")
         rows = search(cfg, mc, prof, args.gpus, w, mix)
-        what = f"{args.image_patches} patches per image" if mix is None else f"the mix of {args.data_profile}"
+        what = f"{describe_visuals(w.shapes)} per sample" if mix is None else f"the mix of {args.data_profile}"
         if not rows:
             print(f"no layout of {args.gpus} x {prof.name} fits {what}")
             return 1

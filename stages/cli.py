@@ -9,6 +9,7 @@
     dhp config [--config PRESET_OR_YAML] [KEY=VALUE ...]     (print the resolved config)
     dhp plan [--config NAME|PATH] [KEY=VALUE ...] [--gpu-memory GiB] [--json PATH]   (memory per rank; fits?)
     dhp plan --time --gpu NAME|PROFILE.json --gpus N --image-patches P [...]          (predicted step time)
+    dhp plan --time --gpu NAME --gpus N --video FRAMESxHxW [--image-patches P] [...]  (a sample with a video)
     dhp plan --search --gpu NAME --gpus N [--image-patches P] [--out YAML]           (best layouts that fit)
     dhp plan --time|--search ... --data-profile FILE          (predict with a `dhp data profile` length mix)
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
@@ -84,7 +85,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu", default=None, help="h100-sxm | h200 | a100-80gb | l40s, or a `dhp bench ops` JSON")
     plan.add_argument("--gpus", type=int, default=None, help="GPUs of the job (default: what the layout implies)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (inter-node bandwidth)")
-    plan.add_argument("--image-patches", type=int, default=1024, help="patches of every image (default 1024)")
+    plan.add_argument(
+        "--image-patches", type=int, default=None, help="patches of every image (default 1024, none with --video)"
+    )
+    plan.add_argument(
+        "--video",
+        action="append",
+        metavar="FRAMESxHxW",
+        help="--time/--search: a video of FRAMES sampled frames of H x W pixels in every sample (repeatable)",
+    )
     plan.add_argument("--text-tokens", type=int, default=512, help="text tokens of every sample (default 512)")
     plan.add_argument("--gpu-set", action="append", metavar="FIELD=VALUE", help="replace a profile field (repeatable)")
     plan.add_argument(
@@ -153,9 +162,10 @@ def _bench(module: str) -> Callable[[argparse.Namespace], int]:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors before the heavy imports
+    from dhp.stages.auto_layout import kept_keys
     from dhp.stages.driver import train
 
-    summary = train(cfg)
+    summary = train(cfg, kept_keys(args.overrides))
     print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}, indent=1))
     print(f"skipped records: {summary['skipped']['counts'] or 'none'}")
     return 0
@@ -230,6 +240,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--data-profile goes with --time or --search (the memory plan alone takes data.microbatch_tokens)"
         )
+    if args.video and not (args.time or args.search):
+        raise ConfigError("--video goes with --time or --search (the memory plan alone takes data.microbatch_tokens)")
     if args.time or args.search:
         from dhp.scripts.plan_time import main as plan_time
 

@@ -141,6 +141,9 @@ def test_workload_counts_video_frames_by_temporal_patch(name):
     assert visual_patches(vc, 7, 8 * unit, 4 * unit) == 4 * frame  # the last frame repeated
     assert visual_patches(vc, 1, 8 * unit + 3, 4 * unit - 3) == frame  # rounded to the nearest unit
     w = Workload.of(vc, images=[(8 * unit, 4 * unit)], videos=[(16, 8 * unit, 4 * unit)], text_tokens=100)
-    assert w.image_patches == 9 * frame and w.sample_tokens == 9 * frame // 4 + 100
+    # the video's markup besides its pads, as its family writes it (Qwen3-VL: a timestamp per temporal patch)
+    markup = family_of_shape(name).video_format.markup_tokens(16, 2.0, 2)
+    assert w.image_patches == 9 * frame and w.sample_tokens == 9 * frame // 4 + 100 + markup
+    assert w.visuals == ((1, frame), (8, frame))
     with pytest.raises(ValueError, match="at least one frame"):
         visual_patches(vc, 0, unit, unit)

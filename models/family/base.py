@@ -88,6 +88,15 @@ class ModelFamily:
         """Whether some vision blocks attend inside windows (then the merged tokens run in window order)."""
         return len(self.full_attention_blocks(vision_config)) < vision_config.depth
 
+    # Each temporal patch of a video (a frame pair) is its own attention segment, an image's frame as it were:
+    # transformers' `get_vision_cu_seqlens` repeats h x w per temporal patch (`merge_temporal` False), both in the
+    # full-attention blocks and (window order) inside the windows; the time model's attention terms ask this
+    frame_attention: ClassVar[bool] = True
+    # Ops one vision block's and one merger's forward dispatch (aten ops, views excluded: about a kernel each on a
+    # GPU; one attention call per block), the time model's per-kernel overhead: each family's own modules differ
+    # (Qwen2.5-VL's fp32 RMSNorms are five ops, Qwen3-VL's LayerNorms one); tests/test_plan_video.py counts them
+    vision_block_ops: ClassVar[int]
+    vision_merger_ops: ClassVar[int]
     # Linears of one vision block's MLP: 3 for a gated MLP (gate, up, down), 2 for a plain one (the FLOP count)
     vision_mlp_linears: ClassVar[int] = 3
     # The vision blocks' and mergers' norms: LayerNorm (weight and bias; keeps mean and rstd) or RMSNorm (the

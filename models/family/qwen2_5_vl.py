@@ -118,6 +118,8 @@ class Qwen2_5_VL(ModelFamily):
     shapes = SHAPES
     layouts = {"vision": ("none", "sequence", "tensor", "zero3"), "text": ("none", "tensor", "zero3")}
     token_ids = QWEN_VL_TOKEN_IDS
+    vision_block_ops = 32
+    vision_merger_ops = 9
 
     @property
     def config_class(self) -> type:

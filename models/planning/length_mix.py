@@ -13,8 +13,10 @@ micro-batches of at most `data.microbatch_tokens` (padded: samples x longest, so
 `data.packing`: the sum of the lengths). Each micro-batch is a `MicroBatchShape` of its own images and
 lengths, and `time_model.step_time_of` costs and schedules those.
 
-A visual is its patch count: a video's attention is counted over all its patches, as an image's, although the
-encoder attends per frame pair (the profile keeps no grid), so a mix with videos overstates their attention.
+A visual is its patch count and its temporal patches (the profile's `frames`): a video's attention is counted
+per temporal patch where the family's encoder attends so (`ModelFamily.frame_attention`, both families); a
+profile written before it kept `frames` reads as every visual one temporal patch, which overstates a video's
+attention. A sample's text tokens are what the real preprocessing wrote, a Qwen3-VL video's timestamps included.
 
 Memory is planned for the largest micro-batch: the most vision patches of any micro-batch of the batch, and
 at least the profile's sample with the most patches (a micro-batch holds at least one sample).
@@ -32,7 +34,8 @@ from dhp.models.planning.time_model import MicroBatchShape, step_time_of
 
 def load_samples(path: str) -> list[dict[str, Any]]:
     """The `per_sample` list of a `dhp data profile --out` JSON, checked: each with `patches` (a list of
-    ints), `text_tokens` and `tokens`. A missing or malformed file is a ConfigError of one line."""
+    ints), `text_tokens`, `tokens` and, where the profile has them, `frames`. A missing or malformed file is a
+    ConfigError of one line."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--data-profile {path}: no such file (write one with `dhp data profile --out FILE`)")
@@ -50,7 +53,8 @@ def load_samples(path: str) -> list[dict[str, Any]]:
 
 
 def check_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`samples` as plain dicts of ints, or ValueError saying which sample is wrong and why."""
+    """`samples` as plain dicts of ints, or ValueError saying which sample is wrong and why. `frames` (temporal
+    patches per visual) is optional: a profile without it has one per visual."""
     if not samples:
         raise ValueError("no samples (every record was skipped?)")
     out = []
@@ -58,11 +62,14 @@ def check_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:
             patches = [int(n) for n in s["patches"]]
             text, tokens = int(s["text_tokens"]), int(s["tokens"])
-        except (KeyError, TypeError, ValueError):
+            frames = [int(t) for t in s.get("frames", [1] * len(patches))]
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise ValueError(f"sample {i} needs patches (a list), text_tokens and tokens: {s!r:.80}") from None
         if min(patches, default=1) < 1 or text < 0 or tokens < 1:
             raise ValueError(f"sample {i} has a size below 1: {s!r:.80}")
-        out.append({"patches": patches, "text_tokens": text, "tokens": tokens})
+        if len(frames) != len(patches) or any(t < 1 or n % t for n, t in zip(patches, frames)):
+            raise ValueError(f"sample {i}'s frames do not divide its visuals' patches: {s!r:.80}")
+        out.append({"patches": patches, "frames": frames, "text_tokens": text, "tokens": tokens})
     return out
 
 
@@ -90,12 +97,15 @@ def split(cfg: Any, batch: list[dict[str, Any]], replicas: int) -> list[list[Mic
 
 
 def shape(samples: list[dict[str, Any]], packed: bool) -> MicroBatchShape:
-    """One micro-batch of these samples: their images in order, their lengths."""
+    """One micro-batch of these samples: their visuals in order (and the temporal patches of each), their
+    lengths."""
+    frames = tuple(t for s in samples for t in s.get("frames", [1] * len(s["patches"])))
     return MicroBatchShape(
         tuple(p for s in samples for p in s["patches"]),
         tuple(s["tokens"] for s in samples),
         tuple(s["text_tokens"] for s in samples),
         packed,
+        frames if any(t > 1 for t in frames) else (),
     )
 
 

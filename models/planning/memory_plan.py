@@ -14,7 +14,9 @@ Per rank, in bytes, counted on the meta device (nothing allocated):
   and backward are one call) from the per-token count below; with activation checkpointing a recomputed
   block keeps only its input. Both are checked, for every layout of the parity test, against what the
   actors' saved-tensor hooks count (tests/test_plan_measured.py: within 10 %; measured on CPU in fp32,
-  exact for the decoder);
+  exact for the decoder); a video's patches count as an image's: what a vision block keeps is linear in its
+  patches (SDPA keeps q, k, v, its output and logsumexp, no score matrix), so how the encoder cuts attention
+  (per image, per temporal patch of a video, per window) changes no byte;
 - the boundary: the rows a vision rank sends (`boundary_rows`, the family's `boundary_width` wide: Qwen3-VL's
   carry its DeepStack features too) stay with each graph in flight until their gradient comes back, and the text
   rank holds the rows it received through its call; each pool's transients hold one gradient of them;

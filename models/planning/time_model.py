@@ -1,12 +1,15 @@
 """Step time of a configuration on a named device, before anything runs (`dhp plan --time`).
 
-The workload: every image `P` patches (`--image-patches`), every sample `T` text tokens besides its P/4
-merged image tokens (`--text-tokens`, default 512), `data.microbatch_tokens // (P/4 + T)` samples per
-micro-batch (at least 1), `training.global_batch_size` samples per step. Throughput is vision tokens
-(patches) per second over the whole job, as the reference counts it. A real length mix (`--data-profile`,
-models/planning/length_mix.py) gives each micro-batch its own `MicroBatchShape`: its images' patches (attention
-is per image), its samples' lengths (padded: batch x longest, packed: their sum; attention per sample) and text
-tokens; `step_time_of` costs every micro-batch at its own sizes and schedules those.
+The workload: every sample `P` patches, an image's (`--image-patches`) and/or videos' (`--video FRAMESxHxW`:
+ceil(FRAMES / temporal_patch_size) temporal patches of a frame's patches), and `T` text tokens besides its P/4
+merged vision tokens (`--text-tokens`, default 512, plus what the family's video format writes around a video:
+Qwen3-VL's `<t seconds>` per temporal patch), `data.microbatch_tokens // (P/4 + T)` samples per micro-batch (at
+least 1), `training.global_batch_size` samples per step. Throughput is vision tokens (patches) per second over
+the whole job, as the reference counts it. A real length mix (`--data-profile`, models/planning/length_mix.py)
+gives each micro-batch its own `MicroBatchShape`: its visuals' patches and temporal patches (attention is per
+image, and per temporal patch of a video: `ModelFamily.frame_attention`), its samples' lengths (padded: batch x
+longest, packed: their sum; attention per sample) and text tokens; `step_time_of` costs every micro-batch at its
+own sizes and schedules those.
 
 One micro-batch, per rank of each pool (seconds = work / the profile's rate for that kind of work):
 - compute by op class: vision linear (patch embed, blocks, merger: `flops.vision_linear_flops_per_patch`),
@@ -25,7 +28,8 @@ One micro-batch, per rank of each pool (seconds = work / the profile's rate for 
 - memory (measured profiles): elementwise work is bound by memory bandwidth: the activations the memory plan
   counts, `Profile.memory_passes` passes, and each backward's gradient accumulation into `.grad` (3 x the
   rank's gradient bytes). A datasheet profile has 0: its fitted efficiency stands for that work.
-- overhead: kernels (ops per block x the profile's launch latency) and one Ray call each.
+- overhead: kernels (the family's ops per vision block and per merger, `ModelFamily.vision_block_ops` /
+  `vision_merger_ops`; per decoder layer `TEXT_LAYER_OPS`; x the profile's launch latency) and one Ray call each.
 - measured stages (a CPU `dhp bench ops` profile): the compute parts of each call (`COMPUTE_PARTS`) divided
   by the profile's `efficiency.vision_forward / vision_backward / text`, the op model's share of the same
   call timed on real transformers stages; ZeRO-3 per unit and per parameter byte as measured on FSDP2
@@ -63,7 +67,6 @@ from dhp.models.lora import is_lora_factor
 from dhp.models.planning.hardware import Profile
 from dhp.models.planning.memory_plan import held_numel, held_numels, stage_shapes, text_activations
 
-VIT_BLOCK_OPS = 30  # kernels per ViT block forward (norms, qkv, rotary, attention, proj, MLP, residuals)
 TEXT_LAYER_OPS = 36  # per decoder layer forward (fp32 RMSNorms are several kernels each)
 BACKWARD_OPS = 2  # backward kernels per forward kernel
 # The parts a real module's speed stands behind (what `dhp bench ops` times on real stages, scripts/bench/ops_stages.py)
@@ -82,15 +85,28 @@ COMPUTE_PARTS = (
 @dataclass
 class Workload:
     """One sample of `image_patches` vision patches (its images' and videos': `of` counts them from sizes) and
-    `text_tokens` text tokens; `nodes` the GPUs are spread over."""
+    `text_tokens` text tokens (a video's markup included: `of` asks its family's video format); `nodes` the GPUs
+    are spread over. `visuals`: (temporal patches, patches of each) of every visual, in order (empty: one image
+    of `image_patches`); `merge_unit`: patches per merged token."""
 
     image_patches: int
     text_tokens: int = 512
     nodes: int = 1
+    visuals: tuple[tuple[int, int], ...] = ()
+    merge_unit: int = 4
+
+    def __post_init__(self) -> None:
+        if self.visuals and sum(t * n for t, n in self.visuals) != self.image_patches:
+            raise ValueError(f"visuals {self.visuals} do not add up to {self.image_patches} patches")
 
     @property
     def sample_tokens(self) -> int:
-        return self.image_patches // 4 + self.text_tokens
+        return self.image_patches // self.merge_unit + self.text_tokens
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """(temporal patches, patches of each) of every visual of the sample."""
+        return self.visuals or ((1, self.image_patches),)
 
     @classmethod
     def of(
@@ -100,12 +116,25 @@ class Workload:
         videos: list[tuple[int, int, int]] = (),
         text_tokens: int = 512,
         nodes: int = 1,
+        image_patches: list[int] = (),
+        fps: float = 2.0,
     ) -> Workload:
-        """A sample of `images` (height, width pixels) and `videos` (frames, height, width) for the vision config
-        `vc`: their patches as `visual_patches` counts them."""
-        patches = sum(visual_patches(vc, 1, h, w) for h, w in images)
-        patches += sum(visual_patches(vc, f, h, w) for f, h, w in videos)
-        return cls(patches, text_tokens, nodes)
+        """A sample of `images` (height, width pixels), `videos` (sampled frames, height, width, at `fps` frames a
+        second: `data.video.fps`) and images of `image_patches` patches each for the vision config `vc`: their
+        patches as `visual_patches` counts them; `text_tokens` plus what the family's video format writes for
+        each video besides its pad tokens and the one vision start / end pair an image has too (Qwen3-VL: a
+        timestamp and a start / end pair per temporal patch)."""
+        from dhp.models.family import family_of
+
+        family = family_of(vc)
+        visuals = [(1, visual_patches(vc, 1, h, w)) for h, w in images] + [(1, int(p)) for p in image_patches]
+        markup = 0
+        for f, h, w in videos:
+            t = -(-f // vc.temporal_patch_size)
+            visuals.append((t, visual_patches(vc, f, h, w) // t))
+            markup += family.video_format.markup_tokens(f, fps, vc.temporal_patch_size)
+        patches = sum(t * n for t, n in visuals)
+        return cls(patches, text_tokens + markup, nodes, tuple(visuals), vc.spatial_merge_size**2)
 
 
 def visual_patches(vc: Any, frames: int, height: int, width: int) -> int:
@@ -128,18 +157,35 @@ def visual_patches(vc: Any, frames: int, height: int, width: int) -> int:
 class MicroBatchShape:
     """What one micro-batch holds: the patches of each of its images (and videos), in order, and each sample's
     sequence length and text tokens (its labelled positions: the sequence less the merged vision tokens);
-    `packed`: one sequence of the samples back to back (`data.packing`), else right-padded to the longest."""
+    `packed`: one sequence of the samples back to back (`data.packing`), else right-padded to the longest;
+    `frames`: the temporal patches of each visual of `images` (a video's frame pairs; empty: one each)."""
 
     images: tuple[int, ...]
     lengths: tuple[int, ...]
     text_tokens: tuple[int, ...]
     packed: bool = False
+    frames: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.frames and (
+            len(self.frames) != len(self.images) or any(t < 1 or n % t for n, t in zip(self.images, self.frames))
+        ):
+            raise ValueError(f"frames {self.frames} are not a whole number of temporal patches of {self.images}")
 
     @classmethod
     def uniform(cls, cfg: Any, w: Workload) -> MicroBatchShape:
-        """The micro-batch of `w`: `samples_per_microbatch` samples of one image each."""
+        """The micro-batch of `w`: `samples_per_microbatch` samples of `w`'s visuals each."""
         n = samples_per_microbatch(cfg, w)
-        return cls((w.image_patches,) * n, (w.sample_tokens,) * n, (w.text_tokens,) * n, cfg.data.packing)
+        shapes = w.shapes
+        images = tuple(t * p for t, p in shapes) * n
+        frames = tuple(t for t, _ in shapes) * n if any(t > 1 for t, _ in shapes) else ()
+        return cls(images, (w.sample_tokens,) * n, (w.text_tokens,) * n, cfg.data.packing, frames)
+
+    def attention_segments(self, per_frame: bool) -> list[tuple[int, int]]:
+        """(segments, patches of each) of every visual: a video's temporal patches each attend on their own
+        where the family's encoder cuts them so (`per_frame`), else the visual is one segment."""
+        frames = self.frames or (1,) * len(self.images)
+        return [(t, n // t) if per_frame else (1, n) for n, t in zip(self.images, frames)]
 
     @property
     def patches(self) -> int:
@@ -218,11 +264,13 @@ def _window_patches(vc: Any) -> int:
 def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload | MicroBatchShape) -> tuple[CallCost, CallCost]:
     """(forward, backward) of one vision micro-batch on one rank: `w`'s (`MicroBatchShape.uniform`) or the
     given one's images."""
+    from dhp.models.family import family_of
     from dhp.models.parallel.layout import VitShape
     from dhp.models.parallel.layouts import stage_layout
     from dhp.models.planning import flops
 
     vc, s = mc.vision_config, cfg.vision
+    family = family_of(vc)
     layout = stage_layout(cfg, "vision", mc)
     share, b = 1.0 / layout.work_shards, _bytes(cfg, "vision")
     mb = _shape(cfg, w)
@@ -232,11 +280,13 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload | MicroBatchShape
     linear = flops.vision_linear_flops_per_patch(vc) * p * share / prof.matmul_rate(width)
     head_dim = vc.hidden_size // vc.num_heads
     windowed = vc.depth > full  # a family with no window blocks has no window size
-    # Attention is per image: an image's patches attend within it (full blocks) or within their window
-    in_window = sum(n * min(n, _window_patches(vc)) for n in mb.images)
-    window = 4 * vc.hidden_size * in_window * (vc.depth - full) if windowed else 0.0
+    # Attention is per image, and per temporal patch of a video where the family's encoder cuts it so: a
+    # segment's patches attend within it (full blocks) or within their window of it
+    segments = mb.attention_segments(family.frame_attention)
+    in_window = sum(t * n * min(n, _window_patches(vc)) for t, n in segments) if windowed else 0
+    window = 4 * vc.hidden_size * in_window * (vc.depth - full)
     window_s = window * share / prof.attention_rate("window_attention", head_dim)
-    in_image = sum(n * n for n in mb.images)
+    in_image = sum(t * n * n for t, n in segments)
     full_s = 4 * vc.hidden_size * in_image * full * share / prof.attention_rate("attention", head_dim)
     shape = VitShape.of(vc)
     comm_bytes = layout.vit_comm_bytes(shape, p, b)
@@ -247,7 +297,8 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload | MicroBatchShape
         tensor = comm_bytes / (2 * count) / ((2 if collective == "all_reduce" else 1) * (n - 1) / n)
         comm = count * prof.collective_s(collective, tensor, n, _nodes_spanned(n, prof))
     recompute = _recomputed_share(s, vc.depth)
-    ops = VIT_BLOCK_OPS * vc.depth * prof.op_latency_s
+    # the family's kernels: its blocks' and its mergers' (Qwen3-VL: the merger and the DeepStack mergers)
+    ops = (family.vision_block_ops * vc.depth + family.vision_merger_ops * shape.mergers) * prof.op_latency_s
     ft = FineTuning(cfg)
     blocks_train = ft.groups["vision_blocks"].trains
     fwd, bwd = CallCost(), CallCost()
@@ -458,7 +509,7 @@ def _devices(cfg: Any, prof: Profile) -> tuple[Any, Any]:
 
 def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     """The predicted step of `w`: every text replica's share of the global batch in micro-batches of
-    `samples_per_microbatch` samples, each one image of `w.image_patches` (`step_time_of`)."""
+    `samples_per_microbatch` samples, each `w`'s visuals (`step_time_of`)."""
     from dhp.models.parallel.checks import replicas
 
     dt = replicas(cfg, "text")
@@ -467,7 +518,8 @@ def step_time(cfg: Any, mc: Any, prof: Profile, w: Workload) -> dict[str, Any]:
     mb = MicroBatchShape.uniform(cfg, w)
     batches = [[mb] * -(-per_text // samples) for _ in range(dt)]
     result = step_time_of(cfg, mc, prof, batches, vision_patches=cfg.training.global_batch_size * w.image_patches)
-    return {**result, "image_patches": w.image_patches, "text_tokens": w.text_tokens}
+    visuals = [list(v) for v in w.shapes]
+    return {**result, "image_patches": w.image_patches, "text_tokens": w.text_tokens, "visuals": visuals}
 
 
 def step_time_of(
