@@ -61,6 +61,16 @@ class DistributedWorker:
         )
         self.ranks = pool_ranks(self.rank, self.world_size, degree, self.device)
 
+    def regroup(self, degree: int) -> None:
+        """Split the same world into groups of `degree` instead (a reused pool of another layout). Every rank of
+        the pool must call it at once, as `new_group` requires; the previous groups are destroyed."""
+        import torch.distributed as dist
+
+        old = {g for g in (self.ranks.model_group, self.ranks.dp_group) if g is not None}
+        self.ranks = pool_ranks(self.rank, self.world_size, degree, self.device)
+        for group in old:
+            dist.destroy_process_group(group)
+
     def setup(self) -> None:
         """Work that needs the process groups (model construction in stage workers)."""
 
@@ -167,6 +177,12 @@ class ActorGroup:
 
     def __len__(self) -> int:
         return len(self.actors)
+
+    def regroup(self, degree: int) -> None:
+        """The driver's side of `DistributedWorker.regroup`: replicas of `degree` actors from now on."""
+        if len(self.actors) % degree:
+            raise ValueError(f"{self.name}: {len(self.actors)} actors cannot form groups of {degree}")
+        self.degree, self.dp = degree, len(self.actors) // degree
 
     def replica(self, i: int) -> list:
         """The actors of data-parallel replica i, in model-parallel rank order."""

@@ -168,6 +168,8 @@ class StageWorker(DistributedWorker):
         self.model = self.optimizer = self.scheduler = None
         self.cfg, self.model_config = cfg, model_config
         self.stage_cfg = getattr(cfg, self.stage)
+        if self.stage_cfg.degree != self.ranks.degree:
+            self.regroup(self.stage_cfg.degree)
         self.step_ledger = StepLedger(self.stage, self.rank // self.stage_cfg.degree, self.rank)
         self.setup()
 

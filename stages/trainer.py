@@ -56,13 +56,12 @@ def model_config_of(cfg: Config) -> Any:
 
 
 def pool_shape(cfg: Config) -> tuple:
-    """What fixes a trainer's actors and process groups (a trainer of another config with the same shape can
-    take them over: `Trainer.reuse`): per pool its actors, degree and per-actor resources and threads, the
-    placement mode, and whether the boundary uses Ray Direct Transport (an actor option)."""
+    """What fixes a trainer's actors (a trainer of another config with the same shape can take them over:
+    `Trainer.reuse`): per pool its actors and per-actor resources and threads, the placement mode, and whether
+    the boundary uses Ray Direct Transport (an actor option). Not the degree: a reused pool regroups."""
     stages = tuple(
         (
             s.num_actors,
-            s.degree,
             s.num_cpus_per_actor,
             s.num_gpus_per_actor,
             s.torch_threads,
@@ -196,9 +195,10 @@ class Trainer:
         """Become a new trainer of `cfg` (step 0) on the actors and process groups this one already has.
 
         Starting a pool costs a process per rank and its torch and transformers imports (about 5 CPU-s each);
-        a run of another config on pools of the same shape (`pool_shape`: actors, degrees, resources,
-        placement) needs none of that, only each rank's model and optimizer built again. For trainers fed
-        batches by the caller (no data streams); raises ValueError otherwise or when the shapes differ."""
+        a run of another config on pools of the same shape (`pool_shape`: actors, resources, placement) needs
+        none of that, only each rank's model and optimizer built again (and its groups, for another degree).
+        For trainers fed batches by the caller (no data streams); raises ValueError otherwise or when the shapes
+        differ."""
         if pool_shape(cfg) != pool_shape(self.cfg):
             raise ValueError(f"pools of another shape: {pool_shape(cfg)} vs {pool_shape(self.cfg)}")
         if self._all_loaders():
@@ -209,7 +209,10 @@ class Trainer:
         self.clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
         self.clock.new_attempt()
         self.ledger.clear()
-        # every rank of both pools at once: a layout's build runs collectives within its pool
+        for stage, pool in self.pools():
+            pool.regroup(getattr(cfg, stage).degree)
+        self.dp = replicas(cfg, "text")
+        # every rank of both pools at once: a layout's build (and a regroup) runs collectives within its pool
         rebuilt = [a.reconfigure.remote(cfg, self.model_config) for _, pool in self.pools() for a in pool.actors]
         ray.get(rebuilt)
         for stage, pool in self.pools():

@@ -27,8 +27,9 @@ SP2_TP2 = [
         ["vision.activation_checkpointing=full", "text.activation_checkpointing=full"],
         ["vision.parallelism=tensor"],  # the same ranks and groups, another layout built on them
         ["vision.train=none", "training.lr=1e-3", "model.dtype=bfloat16"],
+        ["text.degree=1", "text.parallelism=none"],  # tp2 -> dp2: the same processes, regrouped (`regroup`)
     ],
-    ids=["checkpointing", "vision-tp", "run-settings"],
+    ids=["checkpointing", "vision-tp", "run-settings", "degree"],
 )
 def test_what_is_built_on_the_actors_keeps_the_shape(other):
     assert pool_shape(load_config("tiny", SP2_TP2 + other)) == pool_shape(load_config("tiny", SP2_TP2))
@@ -38,12 +39,11 @@ def test_what_is_built_on_the_actors_keeps_the_shape(other):
     "other",
     [
         ["vision.num_actors=4"],  # sp2 x dp2: more processes
-        ["text.degree=1"],  # tp2 -> dp2: other process groups
         ["text.num_cpus_per_actor=0.5"],  # other reservations
         ["text.torch_threads=2"],  # set once, when the process starts
         ["pipeline.placement=disjoint"],  # other placement groups
     ],
-    ids=["actors", "degree", "cpus", "threads", "placement"],
+    ids=["actors", "cpus", "threads", "placement"],
 )
 def test_what_fixes_the_actors_changes_the_shape(other):
     assert pool_shape(load_config("tiny", SP2_TP2 + other)) != pool_shape(load_config("tiny", SP2_TP2))
