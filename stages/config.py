@@ -24,6 +24,8 @@ from dhp.stages.placement_modes import PlacementMode, placement_mode
 
 # training.on_checkpoint_error -> whether a failed save stops the run (else it retries at the next interval)
 CHECKPOINT_ERROR_STOPS = {"continue": False, "stop": True}
+# plan.layout -> whether the run searches its layout before the pools are built (stages/auto_layout.py)
+LAYOUT_SEARCHED = {"given": False, "auto": True}
 
 
 @dataclass
@@ -212,6 +214,27 @@ class PipelineConfig:
 
 
 @dataclass
+class PlanConfig:
+    # given: train the layout this config sets; auto: before the pools are built, rank every layout of the devices
+    # Ray reports as `dhp plan --search` does and train the fastest that fits (docs/planning.md, "Letting dhp choose
+    # the layout"); a layout key also given on the command line (e.g. vision.parallelism=sequence) wins: only
+    # the layouts that keep it are ranked
+    layout: Literal["given", "auto"] = "given"
+    # auto: the hardware to plan for: a datasheet name (h100-sxm, h200, a100-80gb, l40s) or a `dhp bench ops --json`
+    # file; None: the datasheet of the GPU type Ray reports (a cluster without GPUs needs a `dhp bench ops` file)
+    hardware: str | None = None
+    # auto: the length mix (`dhp data profile --out FILE`) the layouts are ranked on; empty: one sample of the
+    # config's own sizes (an image of data.max_pixels, data.max_seq_len tokens in all)
+    data_profile: str = ""
+    top: int = 5  # auto: rows of the ranking printed
+
+    @property
+    def searched(self) -> bool:
+        """The one reader of `layout` (the driver asks this)."""
+        return LAYOUT_SEARCHED[self.layout]
+
+
+@dataclass
 class RayConfig:
     address: str | None = None  # None: RAY_ADDRESS if set, else start a local Ray
     num_cpus: float | None = None  # CPUs of a locally started Ray (None: all)
@@ -235,6 +258,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)  # what is read and how it becomes micro-batches
     training: TrainingConfig = field(default_factory=TrainingConfig)  # steps, optimizer, checkpoints, faults
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # how micro-batches flow between the pools
+    plan: PlanConfig = field(default_factory=PlanConfig)  # whether dhp chooses the layout itself, and for what
     ray: RayConfig = field(default_factory=RayConfig)  # which Ray cluster
     output: OutputConfig = field(default_factory=OutputConfig)  # what a run writes to RUN_DIR
 
@@ -410,6 +434,7 @@ def validate(config: Config) -> None:
             "training.step_timeout_s, step_timeout_min_s, preempt_grace_s and rebuild_timeout_s must be >= 0",
         ),
         (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),
+        (config.plan.top >= 1, "plan.top must be >= 1"),
     ]
     for stage in ("vision", "text"):
         s: StageConfig = getattr(config, stage)

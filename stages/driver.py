@@ -116,17 +116,20 @@ def check_memory(cfg: Config, model_config: Any) -> None:
         )
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json)."""
+def train(cfg: Config, keep: list[str] | None = None) -> dict[str, Any]:
+    """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json). `keep`: the layout
+    keys the command line set, which `plan.layout=auto` keeps (stages/auto_layout.py)."""
     from dhp.models.parallel.checks import check_layout
     from dhp.stages.trainer import Trainer, model_config_of  # heavy imports: after config errors are out
 
     check_attention(cfg.model.attn_implementation)
-    check_layout(cfg, model_config_of(cfg))  # before Ray starts or anything is written
+    started_ray = not ray.is_initialized()
+    if cfg.plan.searched:  # the layouts of the devices Ray reports: Ray starts before the layout's checks
+        cfg = _choose_layout(cfg, keep or [], started_ray)
+    check_layout(cfg, model_config_of(cfg))  # before anything is written (and, unless auto, before Ray starts)
     check_memory(cfg, model_config_of(cfg))
     run_dir = make_run_dir(cfg)
     train_paths, eval_paths, image_root = resolve_data(cfg)
-    started_ray = not ray.is_initialized()
     init_ray(cfg)
     faults: list[dict[str, Any]] = []
     clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)  # learned across restarts
@@ -186,6 +189,22 @@ def train(cfg: Config) -> dict[str, Any]:
     summary["restarts"] = faults
     _write_summary(run_dir, summary)
     return summary
+
+
+def _choose_layout(cfg: Config, keep: list[str], started_ray: bool) -> Config:
+    """`plan.layout=auto`: the config of the best layout of the cluster, its ranking printed; a Ray started
+    here is shut down again when no layout is chosen."""
+    from dhp.stages.auto_layout import choose_layout
+
+    init_ray(cfg)
+    try:
+        cfg, lines = choose_layout(cfg, ray.cluster_resources(), keep)
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    print("\n".join(lines), flush=True)
+    return cfg
 
 
 def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

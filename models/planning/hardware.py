@@ -213,6 +213,12 @@ DATASHEETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Ray's `accelerator_type:NAME` resource (ray.util.accelerators names) -> the datasheet above that describes it.
+# Ray calls an H100 PCIe "H100" too, and an A100 of either memory size "A100" ("A100-80G" is a label a node gets
+# only from `ray start --resources`): such a cluster names its profile itself (`plan.hardware`, e.g. a
+# `dhp bench ops` JSON measured on it).
+RAY_ACCELERATORS = {"H100": "h100-sxm", "H200": "h200", "A100-80G": "a100-80gb", "L40S": "l40s"}
+
 FITTED = Path(__file__).resolve().parents[2] / "docs" / "results" / "time_model_fit.json"
 
 
