@@ -13,32 +13,18 @@ import copy
 import dataclasses
 import math
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from dhp.errors import ConfigError
+from dhp.errors import ConfigError, one_line
 from dhp.models.planning.hardware import DATASHEETS, RAY_ACCELERATORS, Profile, profile
+from dhp.models.planning.layout_search import LAYOUT_KEYS, SEARCHED_KEYS, search, search_table, value_at
 from dhp.stages.config import Config
-
-# The keys the search sets: given on the command line with plan.layout=auto, one of them is kept, and only the
-# layouts that have its value are ranked
-SEARCHED_KEYS = (
-    "vision.parallelism",
-    "vision.degree",
-    "vision.num_actors",
-    "vision.activation_checkpointing",
-    "text.parallelism",
-    "text.degree",
-    "text.num_actors",
-    "text.activation_checkpointing",
-    "pipeline.placement",
-    "pipeline.max_in_flight",
-    "data.microbatch_tokens",
-    "model.precision",
-)
 
 
 def kept_keys(overrides: Iterable[str]) -> list[str]:
-    """The searched keys among command-line `KEY=VALUE` overrides."""
+    """The keys the search sets (layout_search.SEARCHED_KEYS) among command-line `KEY=VALUE` overrides: with
+    plan.layout=auto they are kept, and only the layouts with their values are ranked."""
     return [k for k in (o.partition("=")[0].strip() for o in overrides) if k in SEARCHED_KEYS]
 
 
@@ -46,16 +32,14 @@ def choose_layout(cfg: Config, resources: dict[str, float], keep: Iterable[str] 
     """(the config of the best layout of the cluster `resources` describes, the lines to print); `keep`: searched
     keys whose value in `cfg` every ranked layout must have. The returned config says `plan.layout: given`, so
     that RUN_DIR/config.yaml trains the same layout again."""
-    from dhp.models.planning.layout_search import search, search_table
     from dhp.stages.trainer import model_config_of
 
     mc = model_config_of(cfg)
     prof, devices, nodes, cluster = _hardware(cfg, resources)
     mix, workload, what = _workload(cfg, mc, nodes)
     keep = [k for k in SEARCHED_KEYS if k in set(keep)]
-    ranked = search(cfg, mc, prof, devices, workload, mix)
-    rows = [r for r in ranked if all(_at(r["config"], k) == _at(cfg, k) for k in keep)]
-    kept = ", ".join(f"{k}={_at(cfg, k)}" for k in keep)
+    rows = search(cfg, mc, prof, devices, workload, mix, keep)
+    kept = ", ".join(f"{k}={value_at(cfg, k)}" for k in keep)
     if not rows:
         raise ConfigError(
             f"plan.layout=auto: no layout of {cluster} fits {what}"
@@ -94,10 +78,12 @@ def _hardware(cfg: Config, resources: dict[str, float]) -> tuple[Profile, int, i
     if name is None and types[0] not in RAY_ACCELERATORS:
         raise ConfigError(f"plan.layout=auto: no profile for Ray's accelerator_type:{types[0]}; {_pick()}")
     name = name or RAY_ACCELERATORS[types[0]]
+    if name not in DATASHEETS and not Path(name).is_file():
+        raise ConfigError(f"plan.hardware={name}: no such datasheet or file; {_pick()}")
     try:
         prof = profile(name)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"plan.hardware={name}: {e}") from None
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"plan.hardware={name}: not a `dhp bench ops --json` profile ({one_line(e)})") from None
     hosts = sum(1 for k in resources if k.startswith("node:") and not k.startswith("node:__"))
     if prof.kind == "gpu":
         nodes = int(resources.get(f"accelerator_type:{types[0]}", 1)) if len(types) == 1 else max(hosts, 1)
@@ -148,8 +134,7 @@ def _why(rows: list[dict[str, Any]], prof: Profile) -> list[str]:
     ties = sum(1 for r in rows[1:] if math.isclose(r["step_s"], first["step_s"], rel_tol=1e-9))
     same = "#2" if ties == 1 else f"#2-#{ties + 1}"
     tied = f"; {same} predict{'s' if ties == 1 else ''} the same step and the search's order keeps #1" if ties else ""
-    pools = [k for k in SEARCHED_KEYS if k.endswith(("parallelism", "degree", "num_actors", "placement"))]
-    at = next((i for i, r in enumerate(rows) if any(_at(r["config"], k) != _at(first["config"], k) for k in pools)), 0)
+    at = next((i for i, r in enumerate(rows) if _pools(r["config"]) != _pools(first["config"])), 0)
     if not at:
         return [f"chosen #1: {first['layout']}, no other pool layout fits{tied}", f"#1: {_split(first, device)}"]
     other = rows[at]
@@ -158,6 +143,11 @@ def _why(rows: list[dict[str, Any]], prof: Profile) -> list[str]:
         f"the fastest other pools, #{at + 1} ({other['layout']}), take {other['step_s']:.3f} s "
         f"({other['step_s'] / first['step_s']:.2f}x); #1 / #{at + 1}: {_split(first, device, other)}",
     ]
+
+
+def _pools(cfg: Config) -> tuple:
+    """What the layout's pools are (their parallelism, degree, actors and placement), less its levers."""
+    return tuple(value_at(cfg, k) for k in LAYOUT_KEYS)
 
 
 def _split(r: dict[str, Any], device: str, other: dict[str, Any] | None = None) -> str:
@@ -176,11 +166,3 @@ def _split(r: dict[str, Any], device: str, other: dict[str, Any] | None = None) 
         f"vision {both('vision', '.3f', busy)} s, text {both('text', '.3f', busy)} s; "
         f"{both('memory_per_device_gib', '.1f')} GiB per {device}"
     )
-
-
-def _at(cfg: Config, key: str) -> Any:
-    """The value of a dotted key (`vision.parallelism`) in `cfg`."""
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value

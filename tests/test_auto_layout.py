@@ -64,6 +64,11 @@ def test_a_layout_key_on_the_command_line_is_kept():
     chosen, lines = choose_layout(load_config("tiny", overrides), TWO_H100, keep)
     assert chosen.vision.parallelism == "sequence" and chosen.model.precision == "fp32"
     assert "kept from the command line: vision.parallelism=sequence, model.precision=fp32" in lines[1]
+    # values the search would not try are kept too: 3 in flight, a budget of its own, recomputation it needs not
+    overrides = ["pipeline.max_in_flight=3", "data.microbatch_tokens=2048", "vision.activation_checkpointing=full"]
+    chosen, _ = choose_layout(_auto(*overrides), TWO_H100, kept_keys(overrides))
+    assert (chosen.pipeline.max_in_flight, chosen.data.microbatch_tokens) == (3, 2048)
+    assert chosen.vision.activation_checkpointing == "full"
     cfg = load_config("tiny", ["plan.layout=auto", "text.num_actors=3", "text.degree=1"])
     with pytest.raises(ConfigError, match=r"no layout of 2 x h100-sxm .* with text.num_actors=3 \(given on the"):
         choose_layout(cfg, TWO_H100, ["text.num_actors"])
@@ -88,11 +93,16 @@ def test_an_unknown_gpu_type_is_one_line_naming_the_profiles_and_the_knob(resour
     assert "4 x a100-80gb" in lines[0] and max(chosen.vision.num_actors, chosen.text.num_actors) <= 4
 
 
-def test_a_cluster_without_gpus_needs_a_cpu_profile():
+def test_a_cluster_without_gpus_needs_a_cpu_profile(tmp_path):
     with pytest.raises(ConfigError, match=r"Ray reports no GPUs; plan.hardware=FILE names the CPU profile"):
         choose_layout(_auto(), {"CPU": 16.0})
     with pytest.raises(ConfigError, match=r"plan.data_profile=.*no such file"):
         choose_layout(_auto("plan.data_profile=/nonexistent/mix.json"), TWO_H100)
+    with pytest.raises(ConfigError, match=r"plan.hardware=/no/cpu.json: no such datasheet or file; set plan.hardware"):
+        choose_layout(_auto("plan.hardware=/no/cpu.json"), {"CPU": 16.0})
+    (tmp_path / "cpu.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"plan.hardware=.*cpu.json: not a `dhp bench ops --json` profile"):
+        choose_layout(_auto(f"plan.hardware={tmp_path / 'cpu.json'}"), {"CPU": 16.0})
 
 
 def _mix(path, patches: int, text: int) -> list[dict]:

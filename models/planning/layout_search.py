@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
 from dhp.errors import ConfigError
@@ -132,30 +133,64 @@ def candidates(base: Any, gpus: int) -> list[Any]:
     return out
 
 
+# The keys a search sets: the layout's pools (`candidates`), then its levers (`search`)
+LAYOUT_KEYS = tuple(f"{s}.{k}" for s in ("vision", "text") for k in ("parallelism", "degree", "num_actors")) + (
+    "pipeline.placement",
+)
+MEMORY_LEVERS = ("vision.activation_checkpointing", "text.activation_checkpointing", "model.precision")
+SEARCHED_KEYS = (*LAYOUT_KEYS, "pipeline.max_in_flight", "data.microbatch_tokens", *MEMORY_LEVERS)
+LEVERS = [
+    (va, ta, precision)
+    for precision in ("fp32", "bf16")
+    for va, ta in (("none", "none"), ("full", "none"), ("none", "full"), ("full", "full"))
+]
+
+
+def value_at(cfg: Any, key: str) -> Any:
+    """The value of a dotted key (`vision.parallelism`) in a config."""
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def search(
-    base: Any, mc: Any, prof: Profile, gpus: int, w: Workload, mix: list[dict] | None = None
+    base: Any,
+    mc: Any,
+    prof: Profile,
+    gpus: int,
+    w: Workload,
+    mix: list[dict] | None = None,
+    keep: Iterable[str] = (),
 ) -> list[dict[str, Any]]:
     """Ranked predictions of the layouts that fit: for each layout, micro-batch samples 1/2/4, in-flight
     1/2/4, and the first memory lever that makes it fit: fp32 master states before pure bf16 (a choice of
     numerics, not only of speed), and within each, no recomputation before checkpointing a pool. With `mix`
     (a length profile's samples) each is predicted on the mix and a micro-batch takes 1/2/4 median samples'
-    tokens, at least the longest sample's."""
+    tokens, at least the longest sample's. `keep`: keys of SEARCHED_KEYS whose value in `base` every layout
+    has (only the layouts with those pools, that budget, in-flight count, recomputation or precision)."""
     from dhp.models.parallel.checks import check_layout
     from dhp.models.planning.length_mix import longest, summary
 
     sample_tokens = w.sample_tokens if mix is None else summary(mix, [])["tokens_per_sample"]["p50"]
     least = None if mix is None else longest(mix)
+    keep = set(keep)
+    budgets = [max(n * sample_tokens, least or 0) for n in (1, 2, 4)]
+    if "data.microbatch_tokens" in keep:
+        budgets = [base.data.microbatch_tokens]
+    flights = [base.pipeline.max_in_flight] if "pipeline.max_in_flight" in keep else [1, 2, 4]
+    levers = list(
+        dict.fromkeys(tuple(value_at(base, k) if k in keep else v for k, v in zip(MEMORY_LEVERS, lv)) for lv in LEVERS)
+    )
+    fixed = [k for k in LAYOUT_KEYS if k in keep]
 
     rows = []
-    levers = [
-        (va, ta, precision)
-        for precision in ("fp32", "bf16")
-        for va, ta in (("none", "none"), ("full", "none"), ("none", "full"), ("full", "full"))
-    ]
     for layout in candidates(base, gpus):
-        for samples, in_flight in itertools.product((1, 2, 4), (1, 2, 4)):
+        if any(value_at(layout, k) != value_at(base, k) for k in fixed):
+            continue
+        for budget, in_flight in itertools.product(budgets, flights):
             cfg = copy.deepcopy(layout)
-            cfg.data.microbatch_tokens = max(samples * sample_tokens, least or 0)
+            cfg.data.microbatch_tokens = budget
             cfg.pipeline.max_in_flight = in_flight
             try:
                 check_layout(cfg, mc)
