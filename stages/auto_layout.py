@@ -117,7 +117,7 @@ def _workload(cfg: Config, mc: Any, nodes: int) -> tuple[list[dict] | None, Any,
         try:
             mix = load_samples(cfg.plan.data_profile)
         except ConfigError as e:
-            raise ConfigError(str(e).replace("--data-profile", "plan.data_profile=", 1)) from None
+            raise ConfigError(str(e).replace("--data-profile ", "plan.data_profile=", 1)) from None
     side = math.isqrt(cfg.data.max_pixels)
     image = Workload.of(mc.vision_config, images=[(side, side)], nodes=nodes)
     vision_tokens = image.sample_tokens - image.text_tokens
