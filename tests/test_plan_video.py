@@ -128,16 +128,9 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_vision_kernels_are_the_familys_own_ops(name):
-    """`vision_block_ops` / `vision_merger_ops` are what one block's and one merger's forward dispatch in the
-    family's real modules (as dhp builds them), and the time model's kernel part counts every block and every
-    merger (Qwen3-VL: the three DeepStack mergers too)."""
-    family = family_of_shape(name)
-    config = family.shape_config(name)
-    visual = family.vision_model(config).visual
-    vc = config.vision_config
-    counts: dict[torch.nn.Module, int] = {}
+def _ops_per_module(visual, modules, grid: torch.Tensor) -> dict:
+    """Ops each of `modules` dispatches in one forward of transformers' vision model `visual` on `grid`."""
+    counts, hooks = {}, []
 
     def before(module, args):
         module._ops = _Ops()
@@ -147,18 +140,46 @@ def test_vision_kernels_are_the_familys_own_ops(name):
         module._ops.__exit__(None, None, None)
         counts[module] = module._ops.count
 
-    mergers = [visual.merger, *family.deepstack_mergers(visual)]
-    for m in [*visual.blocks, *mergers]:
-        m.register_forward_pre_hook(before)
-        m.register_forward_hook(after)
-    pixels = torch.randn(256, vc.in_channels * vc.temporal_patch_size * vc.patch_size**2)
+    for m in modules:
+        hooks += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+    vc = visual.config
+    pixels = torch.randn(int(grid.prod(-1).sum()), vc.in_channels * vc.temporal_patch_size * vc.patch_size**2)
     with torch.no_grad():
-        visual(pixels, grid_thw=torch.tensor([[1, 16, 16]]))
+        visual(pixels, grid_thw=grid)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vision_kernels_are_the_familys_own_ops(name):
+    """`vision_block_ops` / `vision_merger_ops` are what one block's and one merger's forward dispatch in the
+    family's real modules (as dhp builds them) on one image; `vision_attention_ops` what a full-attention block
+    adds over a video's temporal patches and images of three sizes (Qwen3-VL: an attention call per segment,
+    Qwen2.5-VL: one per distinct length, grouped). The time model's kernel part counts every block, every merger
+    (Qwen3-VL: the three DeepStack mergers too) and the full blocks' extra calls."""
+    from transformers.vision_utils import get_vision_cu_seqlens
+
+    family = family_of_shape(name)
+    config = family.shape_config(name)
+    visual = family.vision_model(config).visual
+    vc = config.vision_config
+    mergers = [visual.merger, *family.deepstack_mergers(visual)]
+    counts = _ops_per_module(visual, [*visual.blocks, *mergers], torch.tensor([[1, 16, 16]]))
     assert {counts[b] for b in visual.blocks} == {family.vision_block_ops}
     assert {counts[m] for m in mergers} == {family.vision_merger_ops}
-    w = Workload(256, 32)
-    cfg, mc = _cfg(name, w)
+    # the last full-attention block: Qwen2.5-VL's first one also builds the groups' indices, once per forward
+    last_full = visual.blocks[family.full_attention_blocks(vc)[-1]]
     prof = datasheet("h100-sxm")
-    kernels = vision_calls(cfg, mc, prof, w)[0].parts["kernels"]
-    expected = family.vision_block_ops * vc.depth + family.vision_merger_ops * len(mergers)
-    assert kernels == pytest.approx(expected * prof.op_latency_s)
+    for grid, frames in (([[4, 16, 16]], (4,)), ([[1, 16, 16], [1, 8, 8], [1, 32, 16]], (1, 1, 1))):
+        grid = torch.tensor(grid)
+        cu = get_vision_cu_seqlens(grid)
+        extra = family.vision_attention_ops([int(n) for n in cu[1:] - cu[:-1]])
+        assert _ops_per_module(visual, [last_full], grid)[last_full] == family.vision_block_ops + extra
+        assert extra > 0 or (name == "tiny" and frames == (4,))  # a video's frame pairs: one length, one call
+        mb = MicroBatchShape(tuple(int(n) for n in grid.prod(-1)), (600,), (100,), frames=frames)
+        cfg, mc = _cfg(name, Workload(mb.patches, 100))
+        kernels = vision_calls(cfg, mc, prof, mb)[0].parts["kernels"]
+        full = len(family.full_attention_blocks(vc))
+        expected = family.vision_block_ops * vc.depth + family.vision_merger_ops * len(mergers) + full * extra
+        assert kernels == pytest.approx(expected * prof.op_latency_s)

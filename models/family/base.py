@@ -97,6 +97,12 @@ class ModelFamily:
     # (Qwen2.5-VL's fp32 RMSNorms are five ops, Qwen3-VL's LayerNorms one); tests/test_plan_video.py counts them
     vision_block_ops: ClassVar[int]
     vision_merger_ops: ClassVar[int]
+
+    def vision_attention_ops(self, lengths: list[int]) -> int:
+        """Ops a full-attention vision block dispatches beyond `vision_block_ops` over attention segments of these
+        lengths (images, a video's temporal patches): transformers' SDPA path calls attention once per segment."""
+        return max(0, len(lengths) - 1)
+
     # Linears of one vision block's MLP: 3 for a gated MLP (gate, up, down), 2 for a plain one (the FLOP count)
     vision_mlp_linears: ClassVar[int] = 3
     # The vision blocks' and mergers' norms: LayerNorm (weight and bias; keeps mean and rstd) or RMSNorm (the

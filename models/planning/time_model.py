@@ -29,7 +29,9 @@ One micro-batch, per rank of each pool (seconds = work / the profile's rate for 
   counts, `Profile.memory_passes` passes, and each backward's gradient accumulation into `.grad` (3 x the
   rank's gradient bytes). A datasheet profile has 0: its fitted efficiency stands for that work.
 - overhead: kernels (the family's ops per vision block and per merger, `ModelFamily.vision_block_ops` /
-  `vision_merger_ops`; per decoder layer `TEXT_LAYER_OPS`; x the profile's launch latency) and one Ray call each.
+  `vision_merger_ops`, and what a full-attention block's attention calls add over the micro-batch's segments,
+  `vision_attention_ops`; per decoder layer `TEXT_LAYER_OPS`; x the profile's launch latency) and one Ray call
+  each.
 - measured stages (a CPU `dhp bench ops` profile): the compute parts of each call (`COMPUTE_PARTS`) divided
   by the profile's `efficiency.vision_forward / vision_backward / text`, the op model's share of the same
   call timed on real transformers stages; ZeRO-3 per unit and per parameter byte as measured on FSDP2
@@ -297,8 +299,11 @@ def vision_calls(cfg: Any, mc: Any, prof: Profile, w: Workload | MicroBatchShape
         tensor = comm_bytes / (2 * count) / ((2 if collective == "all_reduce" else 1) * (n - 1) / n)
         comm = count * prof.collective_s(collective, tensor, n, _nodes_spanned(n, prof))
     recompute = _recomputed_share(s, vc.depth)
-    # the family's kernels: its blocks' and its mergers' (Qwen3-VL: the merger and the DeepStack mergers)
-    ops = (family.vision_block_ops * vc.depth + family.vision_merger_ops * shape.mergers) * prof.op_latency_s
+    # the family's kernels: its blocks' and its mergers' (Qwen3-VL: the merger and the DeepStack mergers), and
+    # what its full-attention blocks' attention calls add over these segments (window blocks: one call each)
+    lengths = [n for t, n in segments for _ in range(t)]
+    ops = family.vision_block_ops * vc.depth + family.vision_merger_ops * shape.mergers
+    ops = (ops + full * family.vision_attention_ops(lengths)) * prof.op_latency_s
     ft = FineTuning(cfg)
     blocks_train = ft.groups["vision_blocks"].trains
     fwd, bwd = CallCost(), CallCost()
