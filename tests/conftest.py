@@ -12,6 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
+from tests import background
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a background job of a non-interactive shell:
@@ -354,6 +356,25 @@ def pytest_collection_modifyitems(config, items):
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     items[:] = kept_trainers_together(items)
+    # the modules that start runs in the background run last: those runs then have the whole session
+    early = [i for i in items if hasattr(i.module, "start_early")]
+    items[:] = [i for i in items if i not in early] + early
+
+
+def pytest_collection_finish(session):
+    """Each chosen module with `start_early(out, fixtures)` starts its background runs now (tests/background.py)."""
+    if session.config.option.collectonly:
+        return
+    fixtures: dict = {}
+    for item in session.items:
+        if hasattr(item.module, "start_early"):
+            fixtures.setdefault(item.module, set()).update(getattr(item, "fixturenames", ()))
+    for module, names in fixtures.items():
+        module.start_early(background.scratch_dir(module.__name__.rsplit(".", 1)[-1]), names)
+
+
+def pytest_sessionfinish(session):
+    background.stop_all()
 
 
 def kept_trainers_together(items: list) -> list:

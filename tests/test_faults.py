@@ -13,12 +13,16 @@ bench's `--quick` runs does.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,16 +37,15 @@ from dhp.scripts.bench.recovery import (
     start_run,
 )
 from dhp.stages.checkpoint_files import verify
+from tests.background import Background, at_stop, scratch_dir
 
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
 STEPS, EVERY, AT = 8, 2, 3  # `--quick`: 8 steps, a checkpoint every 2, the fault after step 3
 
 
-@pytest.fixture(scope="module")
-def recovery(tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("recovery")
-    done = subprocess.run(
+def _recovery(out: Path) -> dict[str, dict]:
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -57,18 +60,49 @@ def recovery(tmp_path_factory) -> dict[str, dict]:
             "--json",
             str(out / "recovery.json"),
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=2400,
+        start_new_session=True,  # its runs in its process group: killed with it when the session stops early
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    at_stop(lambda: _kill_group(proc))
+    stdout, stderr = proc.communicate(timeout=3600)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     rows = {r["kind"]: r for r in json.loads((out / "recovery.json").read_text())}
     assert sorted(rows) == sorted(KINDS)
-    assert all(f"{kind:8s}" in done.stdout for kind in KINDS)  # the table
+    assert all(f"{kind:8s}" in stdout for kind in KINDS)  # the table
     for tensors in out.glob("runs/*/**/*.safetensors"):  # ~0.75 GB a run; only the save run's are verified below
         if tensors.relative_to(out / "runs").parts[0] != "save":
             tensors.unlink()
     return rows
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+_EARLY: dict[str, Background] = {}
+
+
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """The bench's runs and then this module's own, in the background from the start of the session
+    (tests/background.py); the fixtures below wait for them."""
+    if "recovery" in fixtures and "recovery" not in _EARLY:
+        _EARLY["recovery"] = Background("recovery", lambda: _recovery(out / "recovery"))
+    if "runs" in fixtures and "runs" not in _EARLY:
+        _EARLY["runs"] = Background("runs", lambda: _runs(out / "runs"), after=_EARLY.get("recovery"))
+
+
+def _early(name: str) -> Any:
+    if name not in _EARLY:  # the module's tests were chosen after collection (a plugin reordering them)
+        start_early(scratch_dir("faults"), {name})
+    return _EARLY[name].result()
+
+
+@pytest.fixture(scope="module")
+def recovery() -> dict[str, dict]:
+    return _early("recovery")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -177,11 +211,11 @@ def _fatal(out: Path) -> Run:
     return run
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Run | Exception]:
+def _runs(out: Path) -> dict[str, Run | Exception]:
     """The runs of the tests below, finished, two at a time (one's waits overlap the other's work), the longest
     first; a run that could not be made is its error, raised by its own test."""
-    out = tmp_path_factory.mktemp("runs")
+    out.mkdir(parents=True, exist_ok=True)
+    at_stop(_kill_runs)
 
     def finished(start) -> Run | Exception:
         try:
@@ -191,12 +225,25 @@ def runs(tmp_path_factory) -> dict[str, Run | Exception]:
         except Exception as e:
             return e
 
-    yield run_jobs({f.__name__[1:]: lambda f=f: finished(f) for f in (_die, _stop, _fatal)}, 2, on_main=set())
-    for run in Run.started:  # one whose fault could not be made
+    done = run_jobs({f.__name__[1:]: lambda f=f: finished(f) for f in (_die, _stop, _fatal)}, 2, on_main=set())
+    _kill_runs()
+    return done
+
+
+def _kill_runs() -> None:
+    for run in Run.started:  # one whose fault could not be made, or a session stopped early
         if run.proc.poll() is None:
             run.proc.kill()
-    for tensors in out.glob("runs/*/**/*.safetensors"):  # ~0.75 GB a run
-        tensors.unlink()
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[dict[str, Run | Exception]]:
+    done = _early("runs")
+    yield done
+    for run in done.values():
+        if isinstance(run, Run):
+            for tensors in run.dir.glob("**/*.safetensors"):  # ~0.75 GB a run
+                tensors.unlink()
 
 
 def _run(runs: dict[str, Run | Exception], name: str) -> Run:

@@ -1,0 +1,81 @@
+"""Subprocess runs a module starts as soon as the tests are chosen, in the background at a low CPU priority.
+
+Why: the full tier leaves the two cores idle a fifth of its time (Ray starting, step deadlines waited out,
+the bubbles of one-thread actors), and `tests/test_faults.py` is ten `dhp train` runs that no other test
+touches. A module that defines `start_early(out: Path, fixtures: set[str])` has it called once the session's
+tests are chosen (`pytest_collection_finish` in conftest.py) and its tests run last; the function starts
+`Background` jobs and the module's fixtures wait on their results. At nice 10 the runs take the CPU the other
+tests leave (and a tenth of it while they keep both cores busy), so the timing-sensitive tests in the
+foreground (the time model's check, step deadlines) see nearly the machine they would see alone.
+
+The priority is the job thread's own (Linux keeps a nice value per thread): every process it starts, and every
+thread those start, inherits it: the runs, their Ray and its actors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+NICE = 10
+
+
+class Background:
+    """`fn()` on a thread of its own at nice `NICE`; `result()` waits for it and returns or raises what it did.
+    `after`: a job that must end first (the runs of two jobs at once would need twice the memory)."""
+
+    jobs: list[Background] = []
+
+    def __init__(self, name: str, fn: Callable[[], Any], after: Background | None = None):
+        self.name, self._fn, self._after = name, fn, after
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"background-{name}", daemon=True)
+        Background.jobs.append(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        try:
+            if self._after is not None:
+                self._after._thread.join()
+            self._value = self._fn()
+        except BaseException as e:  # raised by result(), on the test's thread
+            self._error = e
+
+    def result(self, timeout_s: float = 3600) -> Any:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"background job {self.name} still running after {timeout_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+_SCRATCH: list[Path] = []
+_AT_STOP: list[Callable[[], None]] = []
+
+
+def scratch_dir(name: str) -> Path:
+    """A directory for a background job's runs; removed when the session ends (`stop_all`)."""
+    path = Path(tempfile.mkdtemp(prefix=f"dhp-{name}-"))
+    _SCRATCH.append(path)
+    return path
+
+
+def at_stop(fn: Callable[[], None]) -> None:
+    """`fn` runs when the session ends, before the scratch directories go: it kills what a job left running
+    (a session stopped by a failure or Ctrl-C must not leave `dhp train` runs and their Ray behind)."""
+    _AT_STOP.append(fn)
+
+
+def stop_all() -> None:
+    for fn in _AT_STOP:
+        fn()
+    for path in _SCRATCH:
+        shutil.rmtree(path, ignore_errors=True)
