@@ -27,7 +27,7 @@ from dhp.models.family import load_config as load_model_config
 from dhp.models.fine_tuning import FineTuning
 from dhp.models.parallel.checks import check_layout, replicas
 from dhp.models.parallel.layouts import stage_layout
-from dhp.models.parallel.routing import route
+from dhp.models.parallel.routing import balance_text, route
 from dhp.models.parallel.schedule import TEXT_FORWARD_BACKWARD, VISION_FORWARD
 from dhp.models.planning.flops import step_flops
 from dhp.models.weights.export import export_hf, write_meta
@@ -239,13 +239,19 @@ class Trainer:
     def accumulate(self, batches: list[GlobalBatch]) -> float:
         """Forward + backward of every micro-batch of every text replica; gradients accumulate in the actors.
 
-        `batches[t]` is text replica t's part of the global batch. Which vision replica encodes each
+        `batches[t]` is text replica t's loader's part of the global batch; `routing.balance_text` deals its
+        micro-batches to the text replicas by tokens. Which vision replica encodes each
         micro-batch and the order of every call come from `routing.route` (balanced by patches, vision
         forwards up to `pipeline.max_in_flight` ahead per vision replica, lockstep pools padded). Only
         references move through here. Returns the global batch's mean loss.
         """
         loss_scale = 1.0 / max(1, sum(b.label_tokens for b in batches))  # mean over all label tokens
         mbs = [list(b.microbatches) for b in batches]
+        # A lockstep (ZeRO-3) text pool runs every replica's i-th micro-batch together: per-replica totals do
+        # not set its step, so its micro-batches stay where the loaders put them.
+        if not self.text.layout.lockstep:
+            costs = [[mb.meta.padded_tokens for mb in m] for m in mbs]
+            mbs = [[mbs[t][i] for t, i in keys] for keys in balance_text(costs)]
         calls = route(
             [[mb.meta.patches for mb in m] for m in mbs],
             self.vision.dp,

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dhp.models.parallel.routing import check_fan, route, simulate_calls
+from dhp.models.parallel.routing import balance_text, check_fan, route, simulate_calls
 from dhp.models.parallel.schedule import TEXT_FORWARD_BACKWARD, VISION_BACKWARD, VISION_FORWARD
 
 
@@ -76,6 +76,23 @@ def test_assignment_balances_patches_not_indices():
     calls = route([[5, 5], [5, 5], [5, 5], [5, 5]], 1, False, False, 4)
     forwards = [c.keys()[0] for c in calls if c.kind == VISION_FORWARD]
     assert forwards == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
+
+
+def test_text_replicas_get_balanced_tokens_and_keep_their_counts():
+    # Replica 0's loader drew the two long samples: as loaded it runs 2 000 tokens while replica 1 runs 300.
+    costs = [[1000, 1000], [200, 100]]
+    keys = balance_text(costs)
+    load = [sum(costs[t][i] for t, i in ks) for ks in keys]
+    assert load == [1200, 1100]
+    assert [len(ks) for ks in keys] == [2, 2]
+    assert sorted(k for ks in keys for k in ks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(ks == sorted(ks, key=lambda k: (k[1], k[0])) for ks in keys)  # key order within a replica
+    # Even costs stay where the loaders put them; counts follow the loaders (3 and 1 here).
+    assert balance_text([[5, 5], [5, 5]]) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    assert [len(ks) for ks in balance_text([[9, 1, 1], [50]])] == [3, 1]
+    # Where LPT with fixed counts would do worse (50 to the replica with room for three: 52 vs 50), the
+    # loaders' split stays.
+    assert balance_text([[9, 1, 1], [50]]) == [[(0, 0), (0, 1), (0, 2)], [(1, 0)]]
 
 
 def test_more_vision_replicas_shorten_a_vision_bound_step():

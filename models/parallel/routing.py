@@ -83,7 +83,7 @@ def check_fan(
 
 
 def _lpt(keys: list[Key], patches: dict[Key, int], load: list[int], free: list[int] | None = None) -> dict[Key, int]:
-    """Largest first, each to the least-loaded vision replica (with room left in `free`, if given)."""
+    """Largest first, each to the least-loaded replica (with room left in `free`, if given)."""
     out = {}
     for key in sorted(keys, key=lambda k: (-patches[k], k[1], k[0])):
         choices = [v for v in range(len(load)) if free is None or free[v] > 0]
@@ -92,6 +92,24 @@ def _lpt(keys: list[Key], patches: dict[Key, int], load: list[int], free: list[i
         if free is not None:
             free[v] -= 1
     return out
+
+
+def balance_text(costs: list[list[int]]) -> list[list[Key]]:
+    """The micro-batches each text replica runs: as many as its loader made, the costliest first to the replica
+    with the least cost so far that has room (LPT with each replica's count kept). `costs[t][i]`: the cost of
+    text replica t's i-th micro-batch as its loader made it (its padded tokens). Returns per replica the
+    loaders' keys it runs, in key order; never a larger most-loaded replica than the loaders' own split.
+
+    Why: the loaders deal each replica the same number of samples, not the same tokens, and the step waits on
+    the replica that drew the long ones. Any assignment trains the same model: every micro-batch's loss is
+    scaled by the global batch's label tokens and the gradients are summed over the replicas. The counts stay,
+    so a replica never runs with nothing and the vision routing's constraints are unchanged."""
+    cost = {(t, i): c for t, cs in enumerate(costs) for i, c in enumerate(cs)}
+    owner = _lpt(list(cost), cost, [0] * len(costs), free=[len(cs) for cs in costs])
+    dealt = [sorted((k for k in cost if owner[k] == t), key=lambda k: (k[1], k[0])) for t in range(len(costs))]
+    loaded = [[(t, i) for i in range(len(cs))] for t, cs in enumerate(costs)]
+    # LPT with fixed counts can do worse than the loaders did (a replica with room for many takes the largest)
+    return min((dealt, loaded), key=lambda ks: max((sum(cost[k] for k in r) for r in ks), default=0))
 
 
 def route(
