@@ -62,8 +62,7 @@ def _recovery(out: Path) -> dict[str, dict]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )  # in this session (not a new one): a new session is a new autogroup, which the kernel shares CPU with
-    # as with the tests themselves, whatever its nice value
+    )  # no start_new_session: a process session of its own is an autogroup of its own (tests/background.py)
     at_stop(lambda: _kill_tree(proc))
     stdout, stderr = proc.communicate(timeout=3600)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
