@@ -4,15 +4,12 @@ Why: the full tier leaves the two cores idle a fifth of its time (Ray starting, 
 the bubbles of one-thread actors), and `tests/test_faults.py` is ten `dhp train` runs that no other test
 touches. A module that defines `start_early(out: Path, fixtures: set[str])` has it called once the session's
 tests are chosen (`pytest_collection_finish` in conftest.py) and its tests run last; the function starts
-`Background` jobs and the module's fixtures wait on their results. At nice 5 the runs take the CPU the other
-tests leave and about a quarter of it while they keep both cores busy: enough that a run's own step
-deadlines (the hang fault's 20 s) still hold, little enough that the tests in the foreground keep most of
-the machine.
+`Background` jobs and the module's fixtures wait on their results. At nice 10 the runs take the CPU the other
+tests leave (and a tenth of it while they keep both cores busy), so the timing-sensitive tests in the
+foreground (the time model's check, step deadlines) see nearly the machine they would see alone.
 
 The priority is the job thread's own (Linux keeps a nice value per thread): every process it starts, and every
-thread those start, inherits it: the runs, their Ray and its actors. They must stay in the session of the
-tests: the kernel shares the CPU between sessions (autogroups) first and applies nice values only within one,
-so a job that started a session of its own would take half the machine whatever its nice value.
+thread those start, inherits it: the runs, their Ray and its actors.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-NICE = 5
+NICE = 10
 
 
 class Background:

@@ -13,7 +13,9 @@ bench's `--quick` runs does.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from dhp.scripts.bench.recovery import (
@@ -62,8 +63,9 @@ def _recovery(out: Path) -> dict[str, dict]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )  # no start_new_session: a process session of its own is an autogroup of its own (tests/background.py)
-    at_stop(lambda: _kill_tree(proc))
+        start_new_session=True,  # its runs in its process group: killed with it when the session stops early
+    )
+    at_stop(lambda: _kill_group(proc))
     stdout, stderr = proc.communicate(timeout=3600)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     rows = {r["kind"]: r for r in json.loads((out / "recovery.json").read_text())}
@@ -75,12 +77,9 @@ def _recovery(out: Path) -> dict[str, dict]:
     return rows
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """The bench and the runs it started (a session stopped early)."""
+def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 _EARLY: dict[str, Background] = {}
