@@ -124,6 +124,19 @@ def pytest_runtest_setup(item):
         _TRAINERS.clear()
 
 
+# One GPU for both pools: one rank each with half of it (a multi-rank nccl group needs a GPU per rank)
+ONE_GPU_POOLS = [
+    "vision.parallelism=none",
+    "vision.num_actors=1",
+    "vision.degree=1",
+    "vision.num_gpus_per_actor=0.5",
+    "text.parallelism=none",
+    "text.num_actors=1",
+    "text.degree=1",
+    "text.num_gpus_per_actor=0.5",
+]
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1, for a spawned process group's rendezvous."""
     from dhp.scripts.local_head import free_ports

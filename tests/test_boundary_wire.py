@@ -84,19 +84,9 @@ def test_cuda_ipc_needs_both_pools_on_one_gpu():
     default and a layout across GPUs are refused before anything starts, saying what would run."""
     from dhp.models.parallel.checks import check_layout
     from dhp.stages.config import ConfigError, load_config
+    from tests.conftest import ONE_GPU_POOLS
 
-    one_gpu = [
-        "vision.parallelism=none",
-        "vision.num_actors=1",
-        "vision.degree=1",
-        "vision.num_gpus_per_actor=0.5",
-        "text.parallelism=none",
-        "text.num_actors=1",
-        "text.degree=1",
-        "text.num_gpus_per_actor=0.5",
-        "training.global_batch_size=2",
-        "pipeline.boundary=cuda_ipc",
-    ]
+    one_gpu = [*ONE_GPU_POOLS, "training.global_batch_size=2", "pipeline.boundary=cuda_ipc"]
     cfg = load_config("tiny", one_gpu)
     assert cfg.pipeline.transport.ray_transport == "CUDA_IPC"
     check_layout(cfg)

@@ -20,6 +20,7 @@ from dhp.dataflow.loader import GlobalBatch
 from dhp.dataflow.packing import text_inputs, vision_inputs
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
+from tests.conftest import ONE_GPU_POOLS
 from tests.test_parity import BASE, _microbatch, collect
 
 pytestmark = [
@@ -28,20 +29,8 @@ pytestmark = [
 ]
 
 
-# `dhp train` on one GPU: each pool one rank with half of it (a multi-rank nccl group needs a GPU per rank),
-# bf16 autocast over fp32 master weights, SDPA
-ONE_GPU = [
-    "vision.parallelism=none",
-    "vision.num_actors=1",
-    "vision.degree=1",
-    "vision.num_gpus_per_actor=0.5",
-    "text.parallelism=none",
-    "text.num_actors=1",
-    "text.degree=1",
-    "text.num_gpus_per_actor=0.5",
-    "model.dtype=bfloat16",
-    "model.attn_implementation=sdpa",
-]
+# `dhp train` on one GPU: each pool one rank with half of it, bf16 autocast over fp32 master weights, SDPA
+ONE_GPU = [*ONE_GPU_POOLS, "model.dtype=bfloat16", "model.attn_implementation=sdpa"]
 
 
 @pytest.mark.parametrize(
