@@ -1,15 +1,15 @@
-"""Subprocess runs a module starts as soon as the tests are chosen, in the background at a low CPU priority.
+"""Subprocess runs a module starts as soon as the tests are chosen, in the background beside the other tests.
 
 Why: the full tier leaves the two cores idle a fifth of its time (Ray starting, step deadlines waited out,
 the bubbles of one-thread actors), and `tests/test_faults.py` is ten `dhp train` runs that no other test
 touches. A module that defines `start_early(out: Path, fixtures: set[str])` has it called once the session's
 tests are chosen (`pytest_collection_finish` in conftest.py) and its tests run last; the function starts
-`Background` jobs and the module's fixtures wait on their results. At nice 10 the runs take the CPU the other
-tests leave (and a tenth of it while they keep both cores busy), so the timing-sensitive tests in the
-foreground (the time model's check, step deadlines) see nearly the machine they would see alone.
+`Background` jobs and the module's fixtures wait on their results.
 
-The priority is the job thread's own (Linux keeps a nice value per thread): every process it starts, and every
-thread those start, inherits it: the runs, their Ray and its actors.
+A job's thread runs at nice 10 (Linux keeps a nice value per thread), and every process it starts inherits it.
+The kernel applies nice values only within one process session (an autogroup): a job that starts a session of
+its own (test_faults.py's recovery bench does, so that it can be killed with its runs) shares the CPU with the
+tests about equally whatever its nice value, and the tests beside it take longer (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -29,14 +29,11 @@ class Background:
     """`fn()` on a thread of its own at nice `NICE`; `result()` waits for it and returns or raises what it did.
     `after`: a job that must end first (the runs of two jobs at once would need twice the memory)."""
 
-    jobs: list[Background] = []
-
     def __init__(self, name: str, fn: Callable[[], Any], after: Background | None = None):
         self.name, self._fn, self._after = name, fn, after
         self._value: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"background-{name}", daemon=True)
-        Background.jobs.append(self)
         self._thread.start()
 
     def _run(self) -> None:
