@@ -116,11 +116,27 @@ def check_memory(cfg: Config, model_config: Any) -> None:
         )
 
 
-def train(cfg: Config, keep: list[str] | None = None) -> dict[str, Any]:
+class NewTrainers:
+    """Where `train` gets each attempt's trainer: a new one, shut down after the attempt (what a run does).
+
+    `take` has `Trainer`'s arguments; `give_back(trainer, ok)` ends the attempt (`ok`: it trained to the end).
+    Another source may keep a trainer for a later run of the same pool shape (`Trainer.reuse`)."""
+
+    def take(self, cfg: Config, *args: Any, **kwargs: Any) -> Any:
+        from dhp.stages.trainer import Trainer
+
+        return Trainer(cfg, *args, **kwargs)
+
+    def give_back(self, trainer: Any, ok: bool) -> None:
+        trainer.shutdown()  # every actor and placement group of this attempt: nothing orphaned
+
+
+def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> dict[str, Any]:
     """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json). `keep`: the layout
-    keys the command line set, which `plan.layout=auto` keeps (stages/auto_layout.py)."""
+    keys the command line set, which `plan.layout=auto` keeps (stages/auto_layout.py). `trainers`: where each
+    attempt's trainer comes from (`NewTrainers` by default)."""
     from dhp.models.parallel.checks import check_layout
-    from dhp.stages.trainer import Trainer, model_config_of  # heavy imports: after config errors are out
+    from dhp.stages.trainer import model_config_of  # heavy imports: after config errors are out
 
     check_attention(cfg.model.attn_implementation)
     started_ray = not ray.is_initialized()
@@ -135,14 +151,16 @@ def train(cfg: Config, keep: list[str] | None = None) -> dict[str, Any]:
     clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)  # learned across restarts
     preemption = Preemption(cfg.training.preempt_grace_s)
     way = None  # how the last fault failed (`_way`)
+    trainers = trainers or NewTrainers()
     try:
         with preemption.installed():
             while True:  # one pass per attempt: a fault costs a rebuild and a resume, not the run
-                trainer = None
+                trainer, ok = None, False
                 try:
                     wait_s = cfg.training.rebuild_timeout_s if faults else 0.0
-                    trainer = Trainer(cfg, train_paths, eval_paths, image_root, clock=clock, wait_s=wait_s)
+                    trainer = trainers.take(cfg, train_paths, eval_paths, image_root, clock=clock, wait_s=wait_s)
                     summary = _loop(cfg, trainer, run_dir, preemption, after_fault=bool(faults))
+                    ok = True
                     break
                 except Preempted as p:
                     print(p, flush=True)  # the line a person or a scheduler looks for
@@ -182,7 +200,7 @@ def train(cfg: Config, keep: list[str] | None = None) -> dict[str, Any]:
                     )
                 finally:
                     if trainer is not None:
-                        trainer.shutdown()  # every actor and placement group of this attempt: nothing orphaned
+                        trainers.give_back(trainer, ok)
     finally:
         if started_ray:
             ray.shutdown()

@@ -76,13 +76,18 @@ def describe(placement: Placement, where: dict[str, list[dict]]) -> str:
 LOADER_CPUS = 0.1  # the BatchLoader actor mostly waits on Ray Data
 
 
+def data_cpus(cfg: Config) -> float:
+    """The logical CPUs of `cfg`'s data streams: a loader per text replica and one for evaluation, each with its
+    preprocessing workers."""
+    return (replicas(cfg, "text") + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
+
+
 def check_resources(cfg: Config, wait_s: float = 0.0) -> None:
     """Fail fast when pools + data pipeline cannot all be placed: placed ranks would wait in rendezvous.
 
     `wait_s` > 0 (a rebuild after a fault): wait that long for the cluster to offer them first (a replacement
     node joining, an autoscaler adding one)."""
-    data_cpus = (replicas(cfg, "text") + 1) * (LOADER_CPUS + cfg.data.preprocess_workers * cfg.data.preprocess_num_cpus)
-    need = {"CPU": data_cpus}
+    need = {"CPU": data_cpus(cfg)}
     for s in (cfg.vision, cfg.text):
         for name, per_actor in _resources(s).items():
             need[name] = need.get(name, 0.0) + per_actor * s.num_actors

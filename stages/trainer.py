@@ -94,7 +94,7 @@ def trainer_for(cfg: Config, model_config: Any = None, previous: Trainer | None 
     For callers that run several configs one after another on batches they build themselves (the benches)."""
     if previous is not None:
         if pool_shape(previous.cfg) == pool_shape(cfg):
-            previous.reuse(cfg, model_config)
+            previous.reuse(cfg, model_config=model_config)
             return previous
         previous.shutdown()
     return Trainer(cfg, model_config=model_config)
@@ -115,19 +115,47 @@ class Trainer:
         each step its deadline (stages/watchdog.py; kept by the driver across restarts); `wait_s`: how long to
         wait for the cluster to offer the pools' resources (a rebuild after a fault)."""
         self.cfg = cfg
-        records = record_format(cfg.data, train_paths or [])
-        self.train_files = (len(train_paths or []), files_key(train_paths or [], records.deals))  # what data positions
-        # count in: a checkpoint's must be the same
         self.model_config = model_config or model_config_of(cfg)
         check_layout(cfg, self.model_config)
         self.fine_tuning = FineTuning(cfg)  # what trains (checked by check_layout)
-        d = cfg.data
-        settings = preprocess_settings(cfg, image_root, train_paths or [])
         check_resources(cfg, wait_s)
         self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
         self.clock.new_attempt()
         self.ledger = CallLedger()  # which call each stage rank is in (for the hang report)
         self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
+        # The streams start while the pools build: Ray Data's start-up and the preprocessing processes' imports
+        # (~5 s on 2 cores, `dhp bench data`) would otherwise be the first step's wait for data. The pools'
+        # placement groups are reserved first all the same (their rendezvous needs every rank placed at once),
+        # and `check_resources` left CPU for the data work beside them.
+        self.loaders, self.eval_loader = [], None
+        self.placement = self.vision = self.text = None  # built below; a failed build kills what it started
+        try:
+            self.placement = place_pools(cfg)
+            started = self._open_streams(train_paths, eval_paths, image_root)
+            self.vision = self._pool("vision", VisionPool, VisionWorker)
+            self.text = self._pool("text", TextPool, TextWorker)
+            # A stream that cannot start (no usable sample, a bad tokenizer) fails here, at start; one that hangs too.
+            self.fetch(started, "the data streams' start", self._all_loaders())
+            self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
+        except BaseException:
+            self.shutdown()
+            raise
+        print(describe(self.placement, self.where), flush=True)
+        self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
+        self.step = 0
+        self._backwards: list[ray.ObjectRef] = []  # the vision backwards since the last optimizer step
+        self._eval_batches: list[GlobalBatch] | None = None
+
+    def _open_streams(
+        self, train_paths: list[str] | None, eval_paths: list[str] | None, image_root: str
+    ) -> list[ray.ObjectRef]:
+        """Start `self.cfg`'s data streams (one loader per text replica, one for evaluation); returns the refs of
+        their start calls, for `fetch`."""
+        cfg, d = self.cfg, self.cfg.data
+        records = record_format(d, train_paths or [])
+        self.train_files = (len(train_paths or []), files_key(train_paths or [], records.deals))  # what data positions
+        # count in: a checkpoint's must be the same
+        settings = preprocess_settings(cfg, image_root, train_paths or [])
         loader_cls = loader_actor(LOADER_CPUS)
         common = dict(
             settings=settings,
@@ -149,27 +177,7 @@ class Trainer:
             "settings": dataclasses.replace(settings, records=record_format(d, eval_paths or [])),
         }
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **evals) if eval_paths else None
-        # The streams start while the pools build: Ray Data's start-up and the preprocessing processes' imports
-        # (~5 s on 2 cores, `dhp bench data`) would otherwise be the first step's wait for data. The pools'
-        # placement groups are reserved first all the same (their rendezvous needs every rank placed at once),
-        # and `check_resources` left CPU for the data work beside them.
-        self.placement = self.vision = self.text = None  # built below; a failed build kills what it started
-        try:
-            self.placement = place_pools(cfg)
-            started = [loader.start.remote() for loader in self._all_loaders()]
-            self.vision = self._pool("vision", VisionPool, VisionWorker)
-            self.text = self._pool("text", TextPool, TextWorker)
-            # A stream that cannot start (no usable sample, a bad tokenizer) fails here, at start; one that hangs too.
-            self.fetch(started, "the data streams' start", self._all_loaders())
-            self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
-        except BaseException:
-            self.shutdown()
-            raise
-        print(describe(self.placement, self.where), flush=True)
-        self.events: list[dict] = []  # every stage call so far, when `pipeline.trace` is on
-        self.step = 0
-        self._backwards: list[ray.ObjectRef] = []  # the vision backwards since the last optimizer step
-        self._eval_batches: list[GlobalBatch] | None = None
+        return [loader.start.remote() for loader in self._all_loaders()]
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type):
         s, transport = getattr(self.cfg, stage), self.cfg.pipeline.transport
@@ -191,27 +199,37 @@ class Trainer:
         pool.trains = self.fine_tuning.trains(stage)
         return pool
 
-    def reuse(self, cfg: Config, model_config: Any = None) -> None:
-        """Become a new trainer of `cfg` (step 0) on the actors and process groups this one already has.
+    def reuse(
+        self,
+        cfg: Config,
+        train_paths: list[str] | None = None,
+        eval_paths: list[str] | None = None,
+        image_root: str = "",
+        model_config: Any = None,
+        clock: StepClock | None = None,
+        wait_s: float = 0.0,
+    ) -> None:
+        """Become a new trainer of `cfg` (step 0) on the actors and process groups this one already has; the
+        arguments are the constructor's, new data streams replace the old ones.
 
         Starting a pool costs a process per rank and its torch and transformers imports (about 5 CPU-s each);
         a run of another config on pools of the same shape (`pool_shape`: actors, resources, placement) needs
         none of that, only each rank's model and optimizer built again (and its groups, for another degree).
-        For trainers fed batches by the caller (no data streams); raises ValueError otherwise or when the shapes
+        `wait_s` has nothing to wait for (the pools' resources are held). Raises ValueError when the shapes
         differ."""
         if pool_shape(cfg) != pool_shape(self.cfg):
             raise ValueError(f"pools of another shape: {pool_shape(cfg)} vs {pool_shape(self.cfg)}")
-        if self._all_loaders():
-            raise ValueError("a trainer with data streams cannot be reused")
+        self.close_streams()
         self.cfg, self.model_config = cfg, model_config or model_config_of(cfg)
         check_layout(cfg, self.model_config)
         self.fine_tuning = FineTuning(cfg)
-        self.clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
+        self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
         self.clock.new_attempt()
         self.ledger.clear()
         for stage, pool in self.pools():
             pool.regroup(getattr(cfg, stage).degree)
         self.dp = replicas(cfg, "text")
+        started = self._open_streams(train_paths, eval_paths, image_root)
         # every rank of both pools at once: a layout's build (and a regroup) runs collectives within its pool
         rebuilt = [a.reconfigure.remote(cfg, self.model_config) for _, pool in self.pools() for a in pool.actors]
         ray.get(rebuilt)
@@ -219,6 +237,7 @@ class Trainer:
             pool.layout = stage_layout(cfg, stage, self.model_config)
             pool.transport = cfg.pipeline.transport
             pool.trains = self.fine_tuning.trains(stage)
+        self.fetch(started, "the data streams' start", self._all_loaders())
         self.events, self.step, self._backwards, self._eval_batches = [], 0, [], None
 
     def pools(self) -> list[tuple[str, VisionPool | TextPool]]:
@@ -538,13 +557,18 @@ class Trainer:
             "good": sum(rep["good"] for rep in reports),
         }
 
+    def close_streams(self) -> None:
+        """Stop the data streams (their loaders and preprocessing); the pools stay."""
+        for loader in self._all_loaders():
+            ray.kill(loader, no_restart=True)
+        self.loaders, self.eval_loader = [], None
+
     def shutdown(self) -> None:
         """Kill every actor this trainer started (pools, loaders) and free its placement groups."""
         for pool in (self.vision, self.text):
             if pool is not None:  # None: start-up failed before this pool was built
                 pool.shutdown()
-        for loader in self._all_loaders():
-            ray.kill(loader, no_restart=True)
+        self.close_streams()
         self.ledger.clear()
         if self.placement is not None:
             self.placement.remove()

@@ -70,32 +70,53 @@ class TrainerCache:
 
     @contextlib.contextmanager
     def use(self, cfg, **kwargs):
-        from dhp.stages.trainer import Trainer, pool_shape
-
-        same = [t for t in self.kept if pool_shape(t.cfg) == pool_shape(cfg)]
-        if same and not kwargs:
-            trainer = same[-1]
-            self.kept.remove(trainer)
-            trainer.reuse(cfg)
-            self.reused += 1
-        else:
-            self._make_room(cfg)
-            trainer = Trainer(cfg, **kwargs)
-            self.built += 1
+        trainer = self.take(cfg, **kwargs)
         try:
             yield trainer
         except BaseException:
-            trainer.shutdown()
+            self.give_back(trainer, ok=False)
             raise
+        self.give_back(trainer, ok=True)
+
+    def take(self, cfg, *args, **kwargs):
+        """A trainer of `cfg` at step 0 (`Trainer`'s arguments): a kept one of the same pool shape rebuilt for it,
+        else a new one. `dhp.stages.driver.train(cfg, trainers=...)` takes its trainers here too."""
+        from dhp.stages.placement import data_cpus
+        from dhp.stages.trainer import Trainer, pool_shape
+
+        same = [t for t in self.kept if pool_shape(t.cfg) == pool_shape(cfg)]
+        if same:
+            trainer = same[-1]
+            self.kept.remove(trainer)
+            self._make_room(data_cpus(cfg) if args else 0.0)  # its data streams' CPUs
+            try:
+                trainer.reuse(cfg, *args, **kwargs)
+            except BaseException:
+                trainer.shutdown()
+                raise
+            self.reused += 1
+            return trainer
+        pools = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text))
+        self._make_room(pools + (data_cpus(cfg) if args else 0.0))
+        self.built += 1
+        return Trainer(cfg, *args, **kwargs)
+
+    def give_back(self, trainer, ok: bool) -> None:
+        """Keep `trainer` for a later test if it ended well; shut it down otherwise (its state is not trusted)."""
+        if not ok:
+            trainer.shutdown()
+            return
+        trainer.close_streams()  # idle streams would hold CPUs another test's data needs
         self.kept.append(trainer)
         while len(self.kept) > 1 and sum(len(t.vision) + len(t.text) for t in self.kept) > self.KEEP_ACTORS:
             self.kept.pop(0).shutdown()
 
-    def _make_room(self, cfg) -> None:
+    def _make_room(self, cpus: float) -> None:
+        """Shut kept trainers down, oldest first, until the shared Ray has `cpus` logical CPUs free (+ 1 for
+        the driver's and the data's work)."""
         import ray
 
-        need = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text)) + 1.0  # + data and driver
-        while self.kept and ray.available_resources().get("CPU", 0.0) < need:
+        while self.kept and ray.available_resources().get("CPU", 0.0) < cpus + 1.0:
             self.kept.pop(0).shutdown()
 
     def clear(self) -> None:

@@ -69,7 +69,7 @@ def _write_set(root) -> list[str]:
     return lines
 
 
-def test_bad_records_are_skipped_counted_and_quarantined(ray_session, tmp_path):
+def test_bad_records_are_skipped_counted_and_quarantined(trainers, tmp_path):
     lines = _write_set(tmp_path / "data")
     cfg = load_config(
         "tiny",
@@ -85,7 +85,7 @@ def test_bad_records_are_skipped_counted_and_quarantined(ray_session, tmp_path):
             "output.save_final_checkpoint=false",
         ],
     )
-    summary = train(cfg)
+    summary = train(cfg, trainers=trainers)
     run = tmp_path / "runs" / "bad"
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -99,7 +99,7 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
 STEPS = 30
 
 
-def test_bf16_loss_curve_tracks_fp32(ray_session, tmp_path):
+def test_bf16_loss_curve_tracks_fp32(trainers, tmp_path):
     from dhp.stages.driver import train
 
     curves = {}
@@ -117,7 +117,7 @@ def test_bf16_loss_curve_tracks_fp32(ray_session, tmp_path):
                 f"model.precision={precision}",
             ],
         )
-        train(cfg)
+        train(cfg, trainers=trainers)
         rows = (tmp_path / "runs" / precision / "metrics.jsonl").read_text().splitlines()
         curves[precision] = [json.loads(line)["loss"] for line in rows]
     fp32, bf16 = curves["fp32"], curves["bf16"]

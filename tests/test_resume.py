@@ -45,8 +45,8 @@ def _losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_resumed_run_equals_uninterrupted_run(ray_session, tmp_path):
-    full = train(_cfg(tmp_path, "full"))
+def test_resumed_run_equals_uninterrupted_run(trainers, tmp_path):
+    full = train(_cfg(tmp_path, "full"), trainers=trainers)
     run = tmp_path / "runs" / "full"
     assert [s for s, _ in checkpoints(run / "checkpoints")] == [K, STEPS]
 
@@ -55,7 +55,7 @@ def test_resumed_run_equals_uninterrupted_run(ray_session, tmp_path):
     shutil.copytree(run, resumed_run)
     shutil.rmtree(resumed_run / "checkpoints" / f"step_{STEPS:06d}")
     (resumed_run / ".tmp-step_000005").mkdir()  # a write that was killed half-way is ignored
-    resumed = train(_cfg(tmp_path, "resumed"))
+    resumed = train(_cfg(tmp_path, "resumed"), trainers=trainers)
     assert resumed["resumed_from"].endswith(f"step_{K:06d}") and full["resumed_from"] is None
 
     assert _losses(resumed_run) == _losses(run)  # every step, bit for bit, including those after K
@@ -144,13 +144,14 @@ def _hf_params(run) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("a", "b"), [(SP2_TP2, NONE_TP4), (TP2_DP2, NONE_TP4)], ids=["sp2-tp2_to_none-tp4", "tp2xdp2_to_tp4"]
 )
-def test_resume_into_another_layout(ray_session, tmp_path, capsys, a, b):
+def test_resume_into_another_layout(trainers, tmp_path, capsys, a, b):
     """Weights, AdamW moments and steps, LR schedule and the data position all carry over: a wrong moment
     or a sample trained twice / not at all would move step 3's parameters far more than 1e-6. TP2 x DP2 ->
     TP4 also reshards ZeRO-1's moments (each on one replica) and two data streams into one."""
-    train(_cfg(tmp_path, "a", *SMALL, *a))  # uninterrupted; resuming in A equals it exactly (the test above)
+    # uninterrupted; resuming in A equals it exactly (the test above)
+    train(_cfg(tmp_path, "a", *SMALL, *a), trainers=trainers)
     ckpt = tmp_path / "runs" / "a" / "checkpoints" / "step_000002"
-    resumed = train(_cfg(tmp_path, "b", *SMALL, *b, f"training.resume={ckpt}"))
+    resumed = train(_cfg(tmp_path, "b", *SMALL, *b, f"training.resume={ckpt}"), trainers=trainers)
     assert resumed["resumed_from"] == str(ckpt) and "resume: resharding" in capsys.readouterr().out
     (ra, rb) = (tmp_path / "runs" / name for name in ("a", "b"))
     assert _losses(rb).keys() == {3} and _losses(rb)[3] == pytest.approx(_losses(ra)[3], rel=1e-5)

@@ -267,11 +267,11 @@ def _train_cfg(tmp_path, name: str, train_uri: str, endpoint: str, eval_uri: str
     )
 
 
-def test_training_from_s3_equals_local_and_keeps_credentials_out(ray_session, s3_endpoint, dataset, tmp_path, capfd):
+def test_training_from_s3_equals_local_and_keeps_credentials_out(trainers, s3_endpoint, dataset, tmp_path, capfd):
     s3 = f"s3://{BUCKET}/{PREFIX}"
     runs = {}
     for name, base in (("local", str(dataset)), ("s3", s3)):
-        train(_train_cfg(tmp_path, name, f"{base}/train.jsonl", s3_endpoint.url))
+        train(_train_cfg(tmp_path, name, f"{base}/train.jsonl", s3_endpoint.url), trainers=trainers)
         run = tmp_path / "runs" / name
         runs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in runs["s3"]] == [1, 2]
@@ -293,7 +293,7 @@ def test_training_from_s3_equals_local_and_keeps_credentials_out(ray_session, s3
     assert not any(s.decode() in out + err for s in secrets)
 
 
-def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(ray_session, s3_endpoint, dataset, tmp_path, capsys):
+def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(trainers, s3_endpoint, dataset, tmp_path, capsys):
     """The annotation object's first GET never answers (the connection hangs 90 s): the stream's start misses
     `data.timeout_s` twice without reading a record (12 s each: a healthy cold start on a busy 2-core machine
     takes well under that), the run reports
@@ -311,7 +311,8 @@ def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(ray_session, s3_en
                 "data.storage.max_attempts=1",
                 "data.storage.request_timeout_s=120",
                 "training.max_restarts=1",
-            )
+            ),
+            trainers=trainers,
         )
         assert proxy.failed == 1
     (fault,) = summary["restarts"]

@@ -293,7 +293,7 @@ def test_a_replica_dealt_only_missing_shards_goes_on_and_no_shard_at_all_stops(r
         ray.get(loaders[1].next_batch.remote())
 
 
-def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard, tmp_path):
+def test_training_on_shards_from_s3_equals_local(trainers, s3_endpoint, shard, tmp_path):
     """Two steps on the real shard, once from a local folder and once from an S3 bucket (moto), each named by
     a brace range whose first shard img2dataset never wrote (file order, unshuffled, so it is met at once):
     the same losses, the same counted skip."""
@@ -328,7 +328,7 @@ def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard
                 "output.save_final_checkpoint=false",
             ],
         )
-        summary = train(cfg)
+        summary = train(cfg, trainers=trainers)
         run = tmp_path / "runs" / name
         runs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         quarantined = [json.loads(line) for line in (run / "quarantine.jsonl").read_text().splitlines()]
@@ -340,7 +340,7 @@ def test_training_on_shards_from_s3_equals_local(ray_session, s3_endpoint, shard
     assert [r["tokens"] for r in runs["s3"]] == [r["tokens"] for r in runs["local"]]
 
 
-def test_resumed_run_on_shards_equals_uninterrupted_run(ray_session, shard, tmp_path):
+def test_resumed_run_on_shards_equals_uninterrupted_run(trainers, shard, tmp_path):
     """Mid-epoch on two shards: the step-2 checkpoint holds the position (cursor, and the last sample's
     shard:key), and a run resumed from it trains steps 3-4 bit for bit as the uninterrupted run did."""
     from dhp.stages.driver import train
@@ -374,7 +374,7 @@ def test_resumed_run_on_shards_equals_uninterrupted_run(ray_session, shard, tmp_
     def losses(run: Path) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
-    train(cfg("full"))
+    train(cfg("full"), trainers=trainers)
     full, resumed = tmp_path / "runs" / "full", tmp_path / "runs" / "resumed"
     position = json.loads((full / "checkpoints" / "step_000002" / "trainer_state.json").read_text())["loaders"]
     assert position[0]["cursor"] == 8 and position[0]["source"].startswith(f"{tmp_path}/000")
@@ -382,5 +382,5 @@ def test_resumed_run_on_shards_equals_uninterrupted_run(ray_session, shard, tmp_
     assert position[0]["source"].split(".tar:")[1] in {k for k in _members(shard)}
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000004")
-    assert train(cfg("resumed"))["resumed_from"].endswith("step_000002")
+    assert train(cfg("resumed"), trainers=trainers)["resumed_from"].endswith("step_000002")
     assert losses(resumed) == losses(full) and len(losses(full)) == 4
