@@ -1,0 +1,51 @@
+"""Samples of one global batch -> micro-batches even in predicted cost, within the token budget.
+
+`packing.pack` groups by tokens only: a micro-batch of one 16x-larger image and one of a few small ones cost
+the same budget, yet the vision pool spends far longer on the first. Here each sample has a cost (text tokens
+plus patches, `sample_cost`) and the samples are dealt to as many micro-batches as `pack` makes, the costliest
+first to the cheapest micro-batch it still fits in (LPT under the budget); a sample that fits in none opens a
+new one. Where that leaves a costlier most-loaded micro-batch than `pack`'s, `pack`'s grouping is kept. Only
+the grouping inside the global batch changes: the same samples, each once, so the data position (the loader's
+state) is what it was.
+"""
+
+from __future__ import annotations
+
+from dhp.dataflow.packing import pack
+
+# One vision patch against one text token. A proxy: the encoder runs each patch as a token before the 2x2
+# merge, and the merged tokens are already in the text count. The one place the weight is chosen.
+PATCH_WEIGHT = 1.0
+
+
+def sample_cost(tokens: int, patches: int, patch_weight: float = PATCH_WEIGHT) -> float:
+    """A sample's predicted cost in token units: its text tokens plus its patches weighted."""
+    return tokens + patch_weight * patches
+
+
+def _fits(group: list[int], i: int, lengths: list[int], budget: int, packed: bool) -> bool:
+    members = [lengths[j] for j in group] + [lengths[i]]
+    return (sum(members) if packed else len(members) * max(members)) <= budget
+
+
+def balance_groups(lengths: list[int], costs: list[float], budget: int, packed: bool = False) -> list[list[int]]:
+    """Indices grouped as `pack` would count them (each group within `budget`: padded len x max length,
+    packed the sum), with the groups' summed `costs` as even as LPT makes them. Every index appears once."""
+    if len(lengths) != len(costs):
+        raise ValueError(f"{len(lengths)} lengths but {len(costs)} costs")
+    count = len(pack(lengths, budget, packed))
+    groups: list[list[int]] = [[] for _ in range(count)]
+    load = [0.0] * count
+    for i in sorted(range(len(lengths)), key=lambda i: (-costs[i], -lengths[i], i)):
+        room = [g for g in range(len(groups)) if _fits(groups[g], i, lengths, budget, packed)]
+        if not room:
+            groups.append([])
+            load.append(0.0)
+            room = [len(groups) - 1]
+        g = min(room, key=lambda g: (load[g], g))
+        groups[g].append(i)
+        load[g] += costs[i]
+    balanced = [sorted(g) for g in groups if g]
+    # LPT under a budget can open more groups or do worse than the token grouping: keep the better of the two
+    loaded = pack(lengths, budget, packed)
+    return min((balanced, loaded), key=lambda gs: max((sum(costs[i] for i in g) for g in gs), default=0.0))
