@@ -191,11 +191,23 @@ class TrainingConfig:
 
 
 @dataclass
+class RebalanceConfig:
+    # move ranks from the idler pool to the busier one during a run, decided from the measured busy fractions
+    # (stages/rebalance.py); off: the pools keep the sizes they were given
+    enabled: bool = False
+    measure_steps: int = 5  # steps measured in the present layout before deciding (their median busy fractions)
+    threshold: float = 0.2  # the pools' busy fractions must differ by at least this to consider a move
+    min_gain: float = 0.1  # a move must predict the busiest pool at least this fraction less busy than now
+    cooldown_steps: int = 10  # steps after a move (or the start) before another is considered
+
+
+@dataclass
 class PipelineConfig:
     max_in_flight: int = 3  # vision forwards that may run ahead of the text stage (1 = serial, no overlap)
     placement: Literal["shared", "disjoint"] = "shared"  # shared: vision+text actors share bundles (GPUs)
     trace: bool = False  # write RUN_DIR/trace.json: every stage call on a timeline (chrome://tracing)
     boundary: Literal["host", "cuda_ipc"] = "host"  # how vision outputs / their gradients travel (stages/boundary.py)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)  # whether and when pools trade ranks
 
     @property
     def placement_mode(self) -> PlacementMode:
@@ -435,6 +447,14 @@ def validate(config: Config) -> None:
         ),
         (config.pipeline.max_in_flight >= 1, "pipeline.max_in_flight must be >= 1 (1 = serial order)"),
         (config.plan.top >= 1, "plan.top must be >= 1"),
+        (
+            config.pipeline.rebalance.measure_steps >= 1 and config.pipeline.rebalance.cooldown_steps >= 0,
+            "pipeline.rebalance.measure_steps must be >= 1 and cooldown_steps >= 0",
+        ),
+        (
+            0 <= config.pipeline.rebalance.threshold <= 1 and 0 <= config.pipeline.rebalance.min_gain < 1,
+            "pipeline.rebalance.threshold must be in [0, 1] and min_gain in [0, 1)",
+        ),
     ]
     for stage in ("vision", "text"):
         s: StageConfig = getattr(config, stage)

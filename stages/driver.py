@@ -22,6 +22,7 @@ from dhp.stages.checkpoint_files import Newest, latest_valid, resume_from
 from dhp.stages.config import Config, ConfigError, one_line, save_config
 from dhp.stages.node_probe import lost_nodes
 from dhp.stages.preemption import Preempted, Preemption
+from dhp.stages.rebalance import Rebalanced, Rebalancer
 from dhp.stages.step_ledger import StepInvariantError
 from dhp.stages.watchdog import DataStalled, StepClock, StepHung
 
@@ -151,6 +152,7 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
     clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)  # learned across restarts
     preemption = Preemption(cfg.training.preempt_grace_s)
     way = None  # how the last fault failed (`_way`)
+    moves: list[str] = []  # pipeline.rebalance: each move's line
     trainers = trainers or NewTrainers()
     try:
         with preemption.installed():
@@ -159,9 +161,14 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
                 try:
                     wait_s = cfg.training.rebuild_timeout_s if faults else 0.0
                     trainer = trainers.take(cfg, train_paths, eval_paths, image_root, clock=clock, wait_s=wait_s)
-                    summary = _loop(cfg, trainer, run_dir, preemption, after_fault=bool(faults))
+                    summary = _loop(cfg, trainer, run_dir, preemption, after_fault=bool(faults or moves))
                     ok = True
                     break
+                except Rebalanced as r:  # checkpointed at a step boundary: resume it in the moved layout
+                    print(r.move.line(), flush=True)
+                    moves.append(r.move.line())
+                    cfg, ok = r.config, True
+                    save_config(cfg, run_dir / "config.yaml")
                 except Preempted as p:
                     print(p, flush=True)  # the line a person or a scheduler looks for
                     _write_summary(
@@ -204,7 +211,7 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
     finally:
         if started_ray:
             ray.shutdown()
-    summary["restarts"] = faults
+    summary["restarts"], summary["rebalanced"] = faults, moves
     _write_summary(run_dir, summary)
     return summary
 
@@ -326,6 +333,7 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
     history = [json.loads(line)["loss"] for line in kept["metrics"]]
     pending, grace_checked = trainer.next_batch(), False
     board = run_dir / "tensorboard" if cfg.output.tensorboard else None
+    rebalancer = Rebalancer(cfg, trainer.model_config)
     with ExitStack() as stack:
         files = {name: stack.enter_context(open(path, "w")) for name, path in logs.items()}
         for name, f in files.items():
@@ -367,6 +375,10 @@ def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fau
                     _check_grace(stats["step_time_s"], time.perf_counter() - save_start, t.preempt_grace_s)
             history.append(record["loss"])
             bar.update(record)
+            moved = rebalancer.after_step(record) if step < steps else None
+            ckpt = (saved or _save(trainer, ckpt_root, batches, t)) if moved else None
+            if ckpt:  # (a failed write: no move, the run continues in this layout)
+                raise Rebalanced(moved[0], step, ckpt, moved[1])
             if preemption.requested and step < steps:  # (after the last step the run simply finishes)
                 ckpt = saved or _save(trainer, ckpt_root, batches, t) or latest_valid(ckpt_root)[0]
                 raise Preempted(step, ckpt, preemption.signal_name)  # a failed write: the newest intact one
