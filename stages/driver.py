@@ -274,8 +274,8 @@ def fault_kind(error: Exception, trainer) -> str | None:
     pipeline stalled", "a node died" or "a stage actor died"; None otherwise.
 
     A dead actor's own calls raise RayActorError; calls that depended on its outputs, or that waited in a
-    collective with it, fail with other errors. So: look for an actor that no longer answers, and for a
-    node of the pools that Ray now reports dead.
+    collective with it, fail with other errors. So: look for an actor that Ray reports dead, and for a node of
+    the pools that no longer answers.
     """
     if isinstance(error, StepHung):
         return "a rank hung"
@@ -288,11 +288,25 @@ def fault_kind(error: Exception, trainer) -> str | None:
     if isinstance(error, ray.exceptions.RayActorError):  # an actor died: was its node lost with it?
         return "a node died" if _lost_node(trainer) else "a stage actor died"
     actors = [a for _, pool in trainer.pools() for a in pool.actors] + trainer.loaders
+    # Each actor on its own: a dead one answers RayActorError at once; one that is merely slow to answer (a loaded
+    # machine, a call still running) is alive, unless its node is gone. A hung rank is the step deadline's.
+    probes = [a.__ray_ready__.remote() for a in actors]
+    answered, late = ray.wait(probes, num_returns=len(probes), timeout=ACTOR_PROBE_S)
+    dead = any(_died(ref) for ref in answered)
+    if (dead or late) and _lost_node(trainer):
+        return "a node died"
+    return "a stage actor died" if dead else None
+
+
+ACTOR_PROBE_S = 10.0  # how long `fault_kind` waits for every actor's answer before it asks about their nodes
+
+
+def _died(probe: ray.ObjectRef) -> bool:
     try:
-        ray.get([a.__ray_ready__.remote() for a in actors], timeout=10)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return "a node died" if _lost_node(trainer) else "a stage actor died"
-    return None
+        ray.get(probe)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 NODE_PROBE_S = 10.0  # how long a node that held ranks has to run a task before it counts as lost
