@@ -114,15 +114,9 @@ class Trainer:
         """`model_config` replaces the one `cfg.model` describes (benchmarks that vary the shape). `clock` gives
         each step its deadline (stages/watchdog.py; kept by the driver across restarts); `wait_s`: how long to
         wait for the cluster to offer the pools' resources (a rebuild after a fault)."""
-        self.cfg = cfg
-        self.model_config = model_config or model_config_of(cfg)
-        check_layout(cfg, self.model_config)
-        self.fine_tuning = FineTuning(cfg)  # what trains (checked by check_layout)
+        self._configure(cfg, model_config, clock)
         check_resources(cfg, wait_s)
-        self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
-        self.clock.new_attempt()
         self.ledger = CallLedger()  # which call each stage rank is in (for the hang report)
-        self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
         # The streams start while the pools build: Ray Data's start-up and the preprocessing processes' imports
         # (~5 s on 2 cores, `dhp bench data`) would otherwise be the first step's wait for data. The pools'
         # placement groups are reserved first all the same (their rendezvous needs every rank placed at once),
@@ -145,6 +139,17 @@ class Trainer:
         self.step = 0
         self._backwards: list[ray.ObjectRef] = []  # the vision backwards since the last optimizer step
         self._eval_batches: list[GlobalBatch] | None = None
+
+    def _configure(self, cfg: Config, model_config: Any, clock: StepClock | None) -> None:
+        """What a trainer of `cfg` decides before any actor is asked: the model's config, the layout checks, what
+        trains, the step deadlines of this attempt and the text replicas."""
+        self.cfg = cfg
+        self.model_config = model_config or model_config_of(cfg)
+        check_layout(cfg, self.model_config)
+        self.fine_tuning = FineTuning(cfg)  # what trains (checked by check_layout)
+        self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
+        self.clock.new_attempt()
+        self.dp = replicas(cfg, "text")  # one sample stream per text replica (routing.py)
 
     def _open_streams(
         self, train_paths: list[str] | None, eval_paths: list[str] | None, image_root: str
@@ -220,15 +225,10 @@ class Trainer:
         if pool_shape(cfg) != pool_shape(self.cfg):
             raise ValueError(f"pools of another shape: {pool_shape(cfg)} vs {pool_shape(self.cfg)}")
         self.close_streams()
-        self.cfg, self.model_config = cfg, model_config or model_config_of(cfg)
-        check_layout(cfg, self.model_config)
-        self.fine_tuning = FineTuning(cfg)
-        self.clock = clock or StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)
-        self.clock.new_attempt()
+        self._configure(cfg, model_config, clock)
         self.ledger.clear()
         for stage, pool in self.pools():
             pool.regroup(getattr(cfg, stage).degree)
-        self.dp = replicas(cfg, "text")
         started = self._open_streams(train_paths, eval_paths, image_root)
         # every rank of both pools at once: a layout's build (and a regroup) runs collectives within its pool
         rebuilt = [a.reconfigure.remote(cfg, self.model_config) for _, pool in self.pools() for a in pool.actors]

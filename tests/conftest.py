@@ -84,11 +84,12 @@ class TrainerCache:
         from dhp.stages.placement import data_cpus
         from dhp.stages.trainer import Trainer, pool_shape
 
+        data = data_cpus(cfg) if args else 0.0  # with data paths: the streams' CPUs
         same = [t for t in self.kept if pool_shape(t.cfg) == pool_shape(cfg)]
         if same:
             trainer = same[-1]
             self.kept.remove(trainer)
-            self._make_room(data_cpus(cfg) if args else 0.0)  # its data streams' CPUs
+            self._make_room(data)
             try:
                 trainer.reuse(cfg, *args, **kwargs)
             except BaseException:
@@ -97,7 +98,7 @@ class TrainerCache:
             self.reused += 1
             return trainer
         pools = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text))
-        self._make_room(pools + (data_cpus(cfg) if args else 0.0))
+        self._make_room(pools + data)
         self.built += 1
         return Trainer(cfg, *args, **kwargs)
 
