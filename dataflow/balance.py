@@ -33,9 +33,9 @@ def balance_groups(lengths: list[int], costs: list[float], budget: int, packed: 
     packed the sum), with the groups' summed `costs` as even as LPT makes them. Every index appears once."""
     if len(lengths) != len(costs):
         raise ValueError(f"{len(lengths)} lengths but {len(costs)} costs")
-    count = len(pack(lengths, budget, packed))
-    groups: list[list[int]] = [[] for _ in range(count)]
-    load = [0.0] * count
+    loaded = pack(lengths, budget, packed)  # the token grouping: how many groups, and the fallback below
+    groups: list[list[int]] = [[] for _ in loaded]
+    load = [0.0] * len(loaded)
     for i in sorted(range(len(lengths)), key=lambda i: (-costs[i], -lengths[i], i)):
         room = [g for g in range(len(groups)) if _fits(groups[g], i, lengths, budget, packed)]
         if not room:
@@ -47,5 +47,4 @@ def balance_groups(lengths: list[int], costs: list[float], budget: int, packed: 
         load[g] += costs[i]
     balanced = [sorted(g) for g in groups if g]
     # LPT under a budget can open more groups or do worse than the token grouping: keep the better of the two
-    loaded = pack(lengths, budget, packed)
     return min((balanced, loaded), key=lambda gs: max((sum(costs[i] for i in g) for g in gs), default=0.0))
