@@ -77,7 +77,7 @@ def split_for_ranks(
     """
     if sp <= 0:
         return [vision]
-    from dhp.models.parallel.sequence_parallel import plan_shards
+    from dhp.models.parallel.shard_plan import plan_shards
 
     grid = vision["image_grid_thw"]
     if grid.numel() == 0:  # text-only: every rank gets the same empty input and skips the encoder

@@ -22,7 +22,8 @@ from transformers.vision_utils import get_vision_window_index
 from dhp.models.architectures import architecture_config
 from dhp.models.family import family_of
 from dhp.models.parallel import sequence_parallel as sp_mod
-from dhp.models.parallel.sequence_parallel import check_sp_degree, gather_merged, plan_shards, sp_vision_forward
+from dhp.models.parallel.sequence_parallel import gather_merged, sp_vision_forward
+from dhp.models.parallel.shard_plan import check_sp_degree, plan_shards
 from dhp.models.qwen2_5_vl import VisionModel
 from tests.conftest import free_port, perturbed_reference, rel_err
 
