@@ -11,6 +11,8 @@ state) is what it was.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dhp.dataflow.packing import pack
 
 # One vision patch against one text token. A proxy: the encoder runs each patch as a token before the 2x2
@@ -21,6 +23,13 @@ PATCH_WEIGHT = 1.0
 def sample_cost(tokens: int, patches: int, patch_weight: float = PATCH_WEIGHT) -> float:
     """A sample's predicted cost in token units: its text tokens plus its patches weighted."""
     return tokens + patch_weight * patches
+
+
+def text_cost(meta: Any, balanced: bool = False) -> float:
+    """What a micro-batch (its `MicroBatchMeta`) weighs when `routing.balance_text` deals micro-batches to the text
+    replicas: its padded tokens (the decoder's work), or with `balanced` (`data.balance`) the same predicted cost
+    the loader grouped by, `sample_cost` of its padded tokens and patches."""
+    return sample_cost(meta.padded_tokens, meta.patches) if balanced else meta.padded_tokens
 
 
 def _fits(group: list[int], i: int, lengths: list[int], budget: int, packed: bool) -> bool:
@@ -48,3 +57,14 @@ def balance_groups(lengths: list[int], costs: list[float], budget: int, packed: 
     balanced = [sorted(g) for g in groups if g]
     # LPT under a budget can open more groups or do worse than the token grouping: keep the better of the two
     return min((balanced, loaded), key=lambda gs: max((sum(costs[i] for i in g) for g in gs), default=0.0))
+
+
+def micro_batches(
+    lengths: list[int], patches: list[int], budget: int, packed: bool = False, balanced: bool = False
+) -> list[list[int]]:
+    """The micro-batches a loader makes of one global batch's samples (`lengths` tokens, `patches` vision
+    patches each): `pack`'s token grouping, or with `balanced` (`data.balance`) `balance_groups` by
+    `sample_cost`."""
+    if not balanced:
+        return pack(lengths, budget, packed)
+    return balance_groups(lengths, [sample_cost(t, p) for t, p in zip(lengths, patches)], budget, packed)

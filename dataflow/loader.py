@@ -27,7 +27,8 @@ import ray
 import torch
 from ray.data._internal.logical.interfaces import LogicalPlan
 
-from dhp.dataflow.packing import MicroBatchMeta, meta_of, microbatch_inputs, pack
+from dhp.dataflow.balance import micro_batches
+from dhp.dataflow.packing import MicroBatchMeta, meta_of, microbatch_inputs
 from dhp.dataflow.positions import MAX_SKIP_EXAMPLES, Read, files_key, reads, resumed
 from dhp.dataflow.preprocess import PreprocessSettings, decode_sample, preprocess_row
 from dhp.dataflow.sources import Jsonl, split_batch
@@ -174,6 +175,7 @@ class BatchLoader:
         num_replicas: int = 1,
         vision_sp: int = 0,
         packing: bool = False,
+        balance: bool = False,
     ):
         self.args = (paths, settings, model_config, workers, num_cpus)
         self.records = settings.records or Jsonl()
@@ -182,6 +184,7 @@ class BatchLoader:
         self.global_batch_size = global_batch_size
         self.budget = microbatch_tokens
         self.packing = packing  # one sequence per micro-batch, its samples back to back (dataflow/packing.py)
+        self.balance = balance  # micro-batches even in predicted cost, not only within the budget (dataflow/balance.py)
         self.seed, self.pad_id, self.repeat = seed, pad_id, repeat
         self.epoch, self.rows, self.exhausted = 0, None, False
         # The data position (dataflow/positions.py): in the epoch's part (file) `part`, `taken` of this stream's
@@ -347,7 +350,9 @@ class BatchLoader:
         if not samples:
             return None
         microbatches = []
-        for group in pack([s["input_ids"].shape[0] for s in samples], self.budget, self.packing):
+        lengths = [s["input_ids"].shape[0] for s in samples]
+        patches = [s["pixel_values"].shape[0] for s in samples]
+        for group in micro_batches(lengths, patches, self.budget, self.packing, self.balance):
             vision, text = microbatch_inputs([samples[i] for i in group], self.pad_id, self.packing)
             meta = meta_of(vision, text)
             parts = split_for_ranks(vision, text, self.vision_sp, self.args[2])

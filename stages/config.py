@@ -138,6 +138,10 @@ class DataConfig:
     # pack each micro-batch's samples back to back into one sequence (no padding) whose text attention stays inside
     # each sample (flash-attn's varlen kernel if installed, else SDPA per sample); false: right-pad to the longest
     packing: bool = False
+    # group each global batch's samples into micro-batches even in predicted cost (text tokens + vision patches,
+    # dataflow/balance.py), each within microbatch_tokens, and deal them to the text replicas by the same cost; the
+    # same samples, each once, so the data position is unchanged. false: grouped by tokens only (packing.pack)
+    balance: bool = False
     preprocess_workers: int = 1  # Ray Data tasks at a time running decode/resize/patchify/tokenize
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker
     shuffle_seed: int | None = 0  # epoch e shuffles with seed + e; null: file order, no shuffle

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from dhp.dataflow.balance import text_cost
 from dhp.dataflow.loader import GlobalBatch, loader_actor
 from dhp.dataflow.positions import files_key, reshard
 from dhp.dataflow.preprocess import PreprocessSettings
@@ -171,6 +172,7 @@ class Trainer:
             num_cpus=d.preprocess_num_cpus,
             vision_sp=stage_layout(cfg, "vision", self.model_config).loader_shards,
             packing=d.packing,  # one sequence per micro-batch (dataflow/packing.py); the text workers build for it
+            balance=d.balance,  # micro-batches even in predicted cost (dataflow/balance.py)
         )
         self.loaders = [  # one disjoint sample stream per data-parallel replica
             loader_cls.remote(train_paths, seed=d.shuffle_seed, replica=r, num_replicas=self.dp, **common)
@@ -259,17 +261,17 @@ class Trainer:
         """Forward + backward of every micro-batch of every text replica; gradients accumulate in the actors.
 
         `batches[t]` is text replica t's loader's part of the global batch; `routing.balance_text` deals its
-        micro-batches to the text replicas by tokens. Which vision replica encodes each
-        micro-batch and the order of every call come from `routing.route` (balanced by patches, vision
-        forwards up to `pipeline.max_in_flight` ahead per vision replica, lockstep pools padded). Only
-        references move through here. Returns the global batch's mean loss.
+        micro-batches to the text replicas by padded tokens (`data.balance`: tokens and patches, `text_cost`).
+        Which vision replica encodes each micro-batch and the order of every call come from `routing.route`
+        (balanced by patches, vision forwards up to `pipeline.max_in_flight` ahead per vision replica, lockstep
+        pools padded). Only references move through here. Returns the global batch's mean loss.
         """
         loss_scale = 1.0 / max(1, sum(b.label_tokens for b in batches))  # mean over all label tokens
         mbs = [list(b.microbatches) for b in batches]
         # A lockstep (ZeRO-3) text pool runs every replica's i-th micro-batch together: per-replica totals do
         # not set its step, so its micro-batches stay where the loaders put them.
         if not self.text.layout.lockstep:
-            costs = [[mb.meta.padded_tokens for mb in m] for m in mbs]
+            costs = [[text_cost(mb.meta, self.cfg.data.balance) for mb in m] for m in mbs]
             mbs = [[mbs[t][i] for t, i in keys] for keys in balance_text(costs)]
         calls = route(
             [[mb.meta.patches for mb in m] for m in mbs],

@@ -1,5 +1,7 @@
 """dataflow/balance.py: samples dealt to micro-batches by predicted cost keep every sample once, keep the token
-budget, and leave the costliest micro-batch no costlier than `pack`'s on a long-tailed mix. No Ray."""
+budget, and leave the costliest micro-batch no costlier than `pack`'s on a long-tailed mix; the loader's
+`next_batch` with `data.balance` groups so, at the same data position; a run with it trains the same samples to
+the same losses (the one test here on the shared Ray)."""
 
 from __future__ import annotations
 
@@ -55,3 +57,134 @@ def test_costliest_micro_batch_no_worse_than_pack(packed):
 def test_mismatched_costs_are_refused():
     with pytest.raises(ValueError, match="2 lengths but 1 costs"):
         balance_groups([5, 6], [1.0], 100)
+
+
+def encoded_row(n: int, tokens: int, patches: int) -> dict:
+    """A preprocessed row as the stream hands it to `next_batch`: one image of `patches` patches (a 1 x 2 x
+    patches/2 grid), `tokens` text tokens whose second half carries labels."""
+    import numpy as np
+
+    from dhp.dataflow.preprocess import encode_sample
+
+    ids = np.arange(tokens, dtype=np.int64) % 1000 + n
+    labels = np.where(np.arange(tokens) >= tokens // 2, ids, -100)
+    sample = {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": np.tile(np.arange(tokens, dtype=np.int64), (3, 1)),
+        "pixel_values": np.zeros((patches, 1176), dtype=np.float32),
+        "image_grid_thw": np.array([[1, 2, patches // 2]], dtype=np.int64),
+    }
+    return {"source": f"mix.jsonl:{n}", "part": 0, "error": "", "detail": "", "sample": encode_sample(sample)}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_next_batch_balanced_micro_batches_cost_less_at_the_top(monkeypatch, packed):
+    """The loader object itself (no actor, `ray.put` kept in-process): the same long-tailed global batch with
+    `balance` off and on. On: the costliest micro-batch costs less, every sample is in it once, and the position
+    (`state`) and sample ids are the same as off."""
+    import ray
+
+    from dhp.dataflow.loader import BatchLoader
+    from dhp.dataflow.preprocess import PreprocessSettings
+    from dhp.models.architectures import architecture_config
+
+    monkeypatch.setattr(ray, "put", lambda value: value)
+    lengths, costs = long_tail(3, 32)
+    patches = [round((c - t) / 2) * 2 for t, c in zip(lengths, costs)]  # even: the grid is 1 x 2 x patches/2
+    settings = PreprocessSettings("", min_pixels=56 * 56, max_pixels=112 * 112, max_seq_len=4096)
+    batches = {}
+    for balance in (False, True):
+        loader = BatchLoader(
+            ["mix.jsonl"],
+            settings,
+            architecture_config("tiny"),
+            global_batch_size=len(lengths),
+            microbatch_tokens=4 * max(lengths),
+            repeat=False,
+            packing=packed,
+            balance=balance,
+        )
+        loader.rows = iter([encoded_row(n, t, p) for n, (t, p) in enumerate(zip(lengths, patches))])
+        batches[balance] = loader.next_batch()
+    off, on = batches[False], batches[True]
+
+    def top(batch) -> float:
+        return max(sample_cost(mb.meta.tokens, mb.meta.patches) for mb in batch.microbatches)
+
+    assert top(on) < 0.9 * top(off), (top(on), top(off))
+    assert on.ids == off.ids and on.state == off.state and on.label_tokens == off.label_tokens
+    if not packed:  # each sample's first token is its index n: every sample once
+        assert sorted(int(row[0]) for mb in on.microbatches for row in mb.text["input_ids"]) == list(range(32))
+    assert sum(mb.meta.samples for mb in on.microbatches) == len(lengths)
+    for mb in on.microbatches:
+        assert mb.meta.padded_tokens <= 4 * max(lengths)
+
+
+def write_mix(root, records: int) -> None:
+    """`records` JSONL records, in each 8 two 224 px images (256 patches) and six 56 px ones (16 patches)."""
+    import json
+
+    from tests.conftest import write_image
+
+    lines = []
+    for i in range(records):
+        side = 224 if i % 8 < 2 else 56
+        write_image(root / f"images/{i}.png", (side, side), seed=i)
+        turns = [{"from": "human", "value": f"<image>\nWhat is {i}?"}, {"from": "gpt", "value": f"Picture {i}."}]
+        lines.append(json.dumps({"id": f"m{i}", "image": f"images/{i}.png", "conversations": turns}))
+    (root / "mix.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_balanced_run_trains_the_same_samples_to_the_same_losses(trainers, tmp_path):
+    """Two steps of 8 on the mix, file order, `data.balance` off and on: the same samples per step, each once,
+    and the same losses (the grouping only reorders the sum: each loss is scaled by the global batch's label
+    tokens). The mix does group differently: 2 x 224 px share a micro-batch off, are apart on."""
+    import json
+
+    from dhp.dataflow.balance import micro_batches
+    from dhp.dataflow.preprocess import Preprocessor, PreprocessSettings, decode_sample
+    from dhp.models.architectures import architecture_config
+    from dhp.stages.config import load_config
+    from dhp.stages.driver import train
+
+    write_mix(tmp_path, 16)
+    budget = 200
+    pre = Preprocessor(PreprocessSettings(str(tmp_path), 56 * 56, 224 * 224, budget), architecture_config("tiny"))
+    lines = (tmp_path / "mix.jsonl").read_text().splitlines()[:8]
+    first = [decode_sample(pre({"source": "mix", "record": line})["sample"]) for line in lines]
+    lengths, patches = [s["input_ids"].shape[0] for s in first], [s["pixel_values"].shape[0] for s in first]
+    assert micro_batches(lengths, patches, budget) != micro_batches(lengths, patches, budget, balanced=True)
+
+    runs = {}
+    for balance in ("false", "true"):
+        cfg = load_config(
+            "tiny",
+            [
+                f"output.dir={tmp_path}/runs",
+                f"output.name=balance-{balance}",
+                "output.save_final_checkpoint=false",
+                "output.tensorboard=false",
+                f"data.train={tmp_path}/mix.jsonl",
+                "data.shuffle_seed=null",
+                f"data.microbatch_tokens={budget}",
+                f"data.max_seq_len={budget}",
+                f"data.balance={balance}",
+                "training.steps=2",
+                "training.global_batch_size=8",
+                "training.eval_every=0",
+                "training.keep_last=0",
+                *(f"{s}.{k}" for s in ("vision", "text") for k in ("parallelism=none", "degree=1", "num_actors=1")),
+            ],
+        )
+        train(cfg, trainers=trainers)
+        run = tmp_path / "runs" / f"balance-{balance}"
+        samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        runs[balance] = ({r["step"]: sorted(map(json.dumps, r["ids"])) for r in samples}, [m["loss"] for m in metrics])
+    (ids_off, loss_off), (ids_on, loss_on) = runs["false"], runs["true"]
+    assert ids_on == ids_off and sorted(ids_on) == [1, 2]
+    trained = [i for step in ids_on.values() for i in step]
+    assert len(trained) == 16 and len(set(trained)) == 16
+    assert len(loss_on) == len(loss_off) == 2 and loss_on == pytest.approx(loss_off, rel=1e-4)
+

@@ -94,11 +94,12 @@ def _lpt(keys: list[Key], patches: dict[Key, int], load: list[int], free: list[i
     return out
 
 
-def balance_text(costs: list[list[int]]) -> list[list[Key]]:
+def balance_text(costs: list[list[float]]) -> list[list[Key]]:
     """The micro-batches each text replica runs: as many as its loader made, the costliest first to the replica
     with the least cost so far that has room (LPT with each replica's count kept). `costs[t][i]`: the cost of
-    text replica t's i-th micro-batch as its loader made it (its padded tokens). Returns per replica the
-    loaders' keys it runs, in key order; never a larger most-loaded replica than the loaders' own split.
+    text replica t's i-th micro-batch as its loader made it (`balance.text_cost`: padded tokens, or with
+    `data.balance` tokens and patches). Returns per replica the loaders' keys it runs, in key order; never a
+    larger most-loaded replica than the loaders' own split.
 
     Why: the loaders deal each replica the same number of samples, not the same tokens, and the step waits on
     the replica that drew the long ones. Any assignment trains the same model: every micro-batch's loss is

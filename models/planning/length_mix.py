@@ -10,8 +10,9 @@ sometimes holds the tail and sometimes not; the quantiles hold the whole distrib
 The split, as a run makes it: each text replica's loader takes `global_batch_size // text replicas` samples
 (the batch's samples dealt in turn, so each replica gets the same mix) and `packing.pack` groups them into
 micro-batches of at most `data.microbatch_tokens` (padded: samples x longest, sorted by length; packed with
-`data.packing`: the sum of the lengths). Each micro-batch is a `MicroBatchShape` of its own images and
-lengths, and `time_model.step_time_of` costs and schedules those.
+`data.packing`: the sum of the lengths); with `data.balance`, `balance.balance_groups` by tokens and patches.
+Each micro-batch is a `MicroBatchShape` of its own images and lengths, and `time_model.step_time_of` costs and
+schedules those.
 
 A visual is its patch count and its temporal patches (the profile's `frames`): a video's attention is counted
 per temporal patch where the family's encoder attends so (`ModelFamily.frame_attention`, both families); a
@@ -85,13 +86,14 @@ def global_batch(samples: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
 
 def split(cfg: Any, batch: list[dict[str, Any]], replicas: int) -> list[list[MicroBatchShape]]:
     """Each text replica's micro-batches of `batch` (module docstring), in its loader's order."""
-    from dhp.dataflow.packing import pack
+    from dhp.dataflow.balance import micro_batches
 
     per = max(1, len(batch) // replicas)
     out = []
     for r in range(replicas):
         mine = batch[r::replicas][:per]
-        groups = pack([s["tokens"] for s in mine], cfg.data.microbatch_tokens, cfg.data.packing)
+        lengths, patches = [s["tokens"] for s in mine], [sum(s["patches"]) for s in mine]
+        groups = micro_batches(lengths, patches, cfg.data.microbatch_tokens, cfg.data.packing, cfg.data.balance)
         out.append([shape([mine[i] for i in g], cfg.data.packing) for g in groups])
     return out
 
