@@ -15,6 +15,7 @@
     dhp export-hf --checkpoint DIR --out DIR                  (dhp checkpoint -> Hugging Face dir)
     dhp bench layouts [--json PATH] [--quick]                 (vision layouts: comm / activation bytes)
     dhp bench pipeline [--json PATH] [--quick] [--steps N] [--microbatches M] [--scenario S]  (pipeline, pool sizes)
+    dhp bench pipeline --mix long-tail [--json PATH] [--quick] [--steps N] [--scale F]  (data.balance off vs on)
     dhp bench recovery [--json PATH] [--quick] [--kinds K,..] (per fault kind: time to detect, to train again)
     dhp bench data [--json PATH] [--quick]                    (Ray Data preprocessing vs a plain loop; data wait)
     dhp bench memory --json PATH [--quick] [--no-measure]     (bytes per rank by shape/layout/precision; build RSS)

@@ -111,3 +111,42 @@ def test_plan_reaches_the_ratios_when_depth_allows():
 def test_bad_arguments_exit_2(capsys):
     assert cli_main(["bench", "pipeline", "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def long_tail(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "long_tail.json"
+    rc = cli_main(["bench", "pipeline", "--mix", "long-tail", "--quick", "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def test_long_tail_rows_off_then_on(long_tail):
+    """`--mix long-tail --quick`: a row per grouping, off first; the bound is the pools' work over their ranks."""
+    rc, rows = long_tail
+    assert rc == 0 and [r["balance"] for r in rows] == [False, True]
+    for r in rows:
+        for k in ("step_s", "vision_work_s", "text_work_s", "bound_s", "step_over_bound", "loss"):
+            assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (r["balance"], k, r[k])
+        bound = max(r["vision_work_s"] / r["vision_ranks"], r["text_work_s"] / r["text_ranks"])
+        assert r["bound_s"] == pytest.approx(bound, rel=1e-3)
+        assert r["step_over_bound"] == pytest.approx(r["step_s"] / r["bound_s"], rel=1e-2)
+        assert r["goal"] == (r["step_over_bound"] <= 1.10)
+        assert r["samples"] == bench.QUICK["mix_samples"] and r["tail_samples"] == 1
+    off, on = rows
+    # the same samples either way, grouped otherwise: no costlier micro-batch, about the same loss (lr 1e-6)
+    assert (off["patches"], off["tokens"]) == (on["patches"], on["tokens"])
+    assert on["predicted"]["max_cost"] <= off["predicted"]["max_cost"]
+    assert abs(on["loss"] / off["loss"] - 1) < 1e-2
+
+
+def test_long_tail_mix_is_the_shard_plus_a_larger_tail(tmp_path):
+    """The mix's photos are the shard's, in turn, one in eight enlarged 8-16x in area (no Ray)."""
+    from dhp.scripts.bench import long_tail
+
+    photos = long_tail.shard_photos()
+    assert len(photos) == 32 and all(caption for _, _, caption in photos)
+    path, sizes = long_tail.write_mix(tmp_path, 64, scale=0.25)
+    assert len(path.read_text().splitlines()) == 64 and sum(s["tail"] for s in sizes) == 8
+    for s in sizes:
+        assert (8 <= s["area_x"] <= 16) if s["tail"] else s["area_x"] == 1
+    assert [s["photo"] for s in sizes[:32]] == [s["photo"] for s in sizes[32:]] == [k for k, _, _ in photos]

@@ -22,6 +22,9 @@ driver_overhead_ms <= 2. A fourth row, `vision_bound_scaling`, compares the same
 Dv > Dt (fan-in) on a vision-bound model (scripts/bench/pool_scaling.py). Chrome traces of one serial and
 one pipelined step per scenario, a text timeline of them and a PNG of the same timelines (`plot_timelines`)
 are written next to the JSON.
+
+`--mix long-tail` measures instead the step against the balanced bound on a long-tailed image mix, with the
+micro-batches grouped by tokens (`data.balance` off) and by predicted cost (on): scripts/bench/long_tail.py.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ FULL = dict(
     vision_hidden=128,
     vision_inter=512,
     text_inter=1024,
+    mix_samples=32,  # --mix long-tail: the global batch, the shard's 32 photos (scripts/bench/long_tail.py)
+    mix_scale=0.25,
+    mix_depth=8,
+    mix_layers=1,
 )
 QUICK = dict(
     microbatches=3,
@@ -69,6 +76,10 @@ QUICK = dict(
     vision_hidden=64,
     vision_inter=128,
     text_inter=176,
+    mix_samples=8,
+    mix_scale=0.125,
+    mix_depth=2,
+    mix_layers=1,
 )
 
 
@@ -392,7 +403,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="run only this scenario (repeatable; default: all four)",
     )
+    add_mix_arguments(p)
     return p.parse_args(argv)
+
+
+def add_mix_arguments(p: Any) -> None:
+    p.add_argument(
+        "--mix",
+        choices=["long-tail"],
+        default=None,
+        help="instead of the scenarios: balance off vs on on a long-tailed image mix (scripts/bench/long_tail.py)",
+    )
+    p.add_argument("--scale", type=float, default=None, help="--mix: photo side scale (default 0.25, quick 0.125)")
+    p.add_argument("--packed", action="store_true", help="--mix: the text packed (data.packing), not padded")
 
 
 def main(args=None) -> int:
@@ -409,6 +432,8 @@ def main(args=None) -> int:
     out = Path(args.json) if args.json else None
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)  # the traces are written there as the scenarios finish
+    if getattr(args, "mix", None):
+        return main_mix(args, preset, out)
     import ray
 
     from dhp.stages.rendezvous import local_ray_on_loopback
@@ -473,6 +498,34 @@ def main(args=None) -> int:
     return 0
 
 
+def main_mix(args: Any, preset: dict, out: Path | None) -> int:
+    """`--mix long-tail`: its rows (balance off, then on) as a table and, with --json, the JSON."""
+    import ray
+
+    from dhp.scripts.bench import long_tail
+    from dhp.stages.rendezvous import local_ray_on_loopback
+
+    scale = preset["mix_scale"] if args.scale is None else args.scale
+    if not 0 < scale <= 1:
+        from dhp.stages.config import ConfigError
+
+        raise ConfigError(f"--scale must be in (0, 1] (got {scale})")
+    own_ray = not ray.is_initialized()
+    if own_ray:  # as `main`: 4 logical CPUs; the pools take 2 (two vision replicas of 0.5, text 1)
+        local_ray_on_loopback()
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = long_tail.run(preset, preset["steps"], scale, args.packed)
+    finally:
+        if own_ray:
+            ray.shutdown()
+    print(long_tail.table(rows))
+    if out is not None:
+        out.write_text(json.dumps(rows, indent=1))
+        print(f"rows: {out}")
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())
 
@@ -490,3 +543,4 @@ def add_parser(sub: Any) -> None:
         choices=["balanced", "vision_heavy", "text_heavy", "vision_bound_scaling"],
         help="run only this scenario (repeatable; default: all four)",
     )
+    add_mix_arguments(p)
