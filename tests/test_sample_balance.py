@@ -187,4 +187,3 @@ def test_balanced_run_trains_the_same_samples_to_the_same_losses(trainers, tmp_p
     trained = [i for step in ids_on.values() for i in step]
     assert len(trained) == 16 and len(set(trained)) == 16
     assert len(loss_on) == len(loss_off) == 2 and loss_on == pytest.approx(loss_off, rel=1e-4)
-
