@@ -101,6 +101,31 @@ def trainer_for(cfg: Config, model_config: Any = None, previous: Trainer | None 
     return Trainer(cfg, model_config=model_config)
 
 
+class LastTrainer:
+    """Where a caller that runs configs one after another gets its trainers (`take` / `give_back`, what
+    `driver.train` and the tests' shared cache also answer): the last one given back is rebuilt for the next config
+    when its pools have the same shape (`trainer_for`), else shut down; `close` shuts the kept one down."""
+
+    def __init__(self) -> None:
+        self.kept: Trainer | None = None
+
+    def take(self, cfg: Config, model_config: Any = None) -> Trainer:
+        previous, self.kept = self.kept, None
+        return trainer_for(cfg, model_config, previous)
+
+    def give_back(self, trainer: Trainer, ok: bool) -> None:
+        """Keep `trainer` for the next config if it ended well (`ok`), else shut it down."""
+        if ok:
+            self.kept = trainer
+        else:
+            trainer.shutdown()
+
+    def close(self) -> None:
+        if self.kept is not None:
+            self.kept.shutdown()
+            self.kept = None
+
+
 class Trainer:
     def __init__(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -67,6 +68,7 @@ class TrainerCache:
     def __init__(self) -> None:
         self.kept: list = []
         self.built = self.reused = 0
+        self.builds: collections.Counter = collections.Counter()  # pool shape -> trainers built of it
 
     @contextlib.contextmanager
     def use(self, cfg, **kwargs):
@@ -100,6 +102,7 @@ class TrainerCache:
         pools = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text))
         self._make_room(pools + data)
         self.built += 1
+        self.builds[pool_shape(cfg)] += 1
         return Trainer(cfg, *args, **kwargs)
 
     def give_back(self, trainer, ok: bool) -> None:
@@ -137,6 +140,10 @@ def trainers(ray_session) -> TrainerCache:
 def pytest_terminal_summary(terminalreporter):
     if _TRAINERS.built:
         terminalreporter.write_line(f"trainers: {_TRAINERS.built} built, {_TRAINERS.reused} reused (TrainerCache)")
+        # a shape built again was let go in between: the order or the cache's size cost those builds
+        for shape, n in _TRAINERS.builds.most_common():
+            if n > 1:
+                terminalreporter.write_line(f"  built {n} times: {shape}")
 
 
 def pytest_runtest_setup(item):
@@ -433,8 +440,27 @@ def kept_trainers_together(items: list) -> list:
         if module not in users:
             out += its
         elif module == users[0]:
-            out += [i for m in users for i in modules[m] if i not in clearing] + clearing
+            out += [i for m in users for i in shapes_together(modules[m]) if i not in clearing] + clearing
     return out
+
+
+def shapes_together(items: list) -> list:
+    """A module's `items` with those marked `pool_shape` (test_parity.py `by_pool_shape`) grouped by that shape, in
+    the order the shapes first appear, in the places the marked items had; the others stay where they are.
+
+    Why: the module's two parametrized parity tests (Qwen2.5-VL, Qwen3-VL) each ran their layouts grouped, but the
+    second rebuilt the shapes the first had built and the cache had since let go (two builds, ~100 CPU-s)."""
+
+    def shape(item):
+        marker = item.get_closest_marker("pool_shape")
+        return marker.args[0] if marker is not None else None
+
+    marked = [i for i in items if shape(i) is not None]
+    first: dict = {}
+    for item in marked:
+        first.setdefault(shape(item), len(first))
+    grouped = iter(sorted(marked, key=lambda i: first[shape(i)]))
+    return [next(grouped) if shape(i) is not None else i for i in items]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -21,8 +21,8 @@ from dhp.scripts.bench.time_model import CONFIGS, MIXED, OVERSUBSCRIBED, TOLERAN
 CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "results" / "ops_profile_cpu.json"
 
 
-def test_plan_predicts_every_measured_step_within_tolerance(ray_session):
-    result = run(None, quick=True, steps=3)
+def test_plan_predicts_every_measured_step_within_tolerance(trainers):
+    result = run(None, quick=True, steps=3, trainers=trainers)
     assert [r["config"] for r in result["rows"]] == list(CONFIGS) + list(MIXED) and len(CONFIGS) >= 6
     # a global batch of unequal images, predicted from each micro-batch's own sizes
     assert all(len(set(r["mixed_patches"])) == len(r["mixed_patches"]) == 3 for r in result["rows"][len(CONFIGS) :])
@@ -37,7 +37,7 @@ def test_plan_predicts_every_measured_step_within_tolerance(ray_session):
     assert rows["none / none, pipelined"]["predicted_s"] < rows["none / none, serial"]["predicted_s"]
     off = [r["config"] for r in result["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
     if off:  # another process may have taken a core for a while: profile and those configurations once more
-        again = run(None, quick=True, steps=3, configs={k: {**CONFIGS, **MIXED}[k] for k in off})
+        again = run(None, quick=True, steps=3, configs={k: {**CONFIGS, **MIXED}[k] for k in off}, trainers=trainers)
         off = [r["config"] for r in again["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
         assert not off, (
             f"predicted / measured outside 1 +- {TOLERANCE} twice: {off}\n{table(result)}\nagain:\n{table(again)}"

@@ -138,13 +138,11 @@ def measure_step(
     sample: dict | list[dict],
     microbatches: int,
     steps: int,
-    previous: Any = None,
-) -> tuple[dict[str, Any], Any]:
-    """(median seconds of `steps` optimizer steps after one warm-up and the config they ran, the trainer they ran
-    on): `previous`, the last configuration's trainer, is rebuilt for this one when its pools have the same shape
-    (`trainer_for`); the caller shuts the last one down."""
+    trainers: Any,
+) -> dict[str, Any]:
+    """Median seconds of `steps` optimizer steps after one warm-up, and the config they ran, on a trainer from
+    `trainers` (`take` / `give_back`: stages/trainer.py `LastTrainer`, or a cache that keeps trainers longer)."""
     from dhp.stages.config import load_config
-    from dhp.stages.trainer import trainer_for
 
     length = max(len(one["input_ids"]) for one in (sample if isinstance(sample, list) else [sample]))
     cfg = load_config(
@@ -160,15 +158,16 @@ def measure_step(
             "pipeline.trace=true",
         ],
     )
-    trainer = trainer_for(cfg, model_config, previous)
+    trainer = trainers.take(cfg, model_config=model_config)
     try:
         times, calls = timed_steps(
             trainer, global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp), steps
         )
     except BaseException:
-        trainer.shutdown()
+        trainers.give_back(trainer, ok=False)
         raise
-    return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}, trainer
+    trainers.give_back(trainer, ok=True)
+    return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}
 
 
 def timed_steps(
@@ -192,8 +191,15 @@ def timed_steps(
 
 
 def run(
-    profile_path: str | None, quick: bool, steps: int | None = None, configs: dict[str, list[str]] | None = None
+    profile_path: str | None,
+    quick: bool,
+    steps: int | None = None,
+    configs: dict[str, list[str]] | None = None,
+    trainers: Any = None,
 ) -> dict[str, Any]:
+    """Every configuration of `configs` (default: the bench's) measured and predicted. `trainers`: where each
+    configuration's trainer comes from (default a `LastTrainer`, shut down at the end; a caller's own source keeps
+    the last one)."""
     import ray
 
     from dhp.dataflow.length_profile import sizes_of
@@ -201,6 +207,7 @@ def run(
     from dhp.models.planning.length_mix import longest, shape
     from dhp.models.planning.time_model import Workload, step_time_of
     from dhp.scripts.plan_time import predict, prepare
+    from dhp.stages.trainer import LastTrainer
 
     started = not ray.is_initialized()
     if started:
@@ -217,7 +224,7 @@ def run(
             patches = int(sample["image_grid_thw"].prod())
             w = Workload(patches, len(sample["input_ids"]) - patches // 4)
             microbatches = 2 if quick else 4
-            rows, trainer = [], None
+            rows, source = [], trainers or LastTrainer()
             chosen = configs or {**CONFIGS, **({} if quick else OVERSUBSCRIBED), **MIXED}
             mix = mixed_samples(Path(tmp), model_config) if set(chosen) & set(MIXED) else []
             # each mixed sample as `dhp data profile` sizes it: its patches, text tokens and length
@@ -225,14 +232,14 @@ def run(
             try:
                 for name, overrides in chosen.items():
                     mixed = name in MIXED
-                    m, trainer = measure_step(
+                    m = measure_step(
                         overrides,
                         ckpt,
                         model_config,
                         mix if mixed else sample,
                         len(mix) if mixed else microbatches,
                         steps or (2 if quick else 3),
-                        trainer,
+                        source,
                     )
                     if mixed:
                         cfg = prepare(m["cfg"], prof, None, w, longest(sizes))
@@ -261,8 +268,8 @@ def run(
                         flush=True,
                     )
             finally:
-                if trainer is not None:
-                    trainer.shutdown()
+                if trainers is None:
+                    source.close()
             return {
                 "profile": prof.to_dict(),
                 "image_patches": patches,
