@@ -400,7 +400,10 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept_trainers_together(items)
     # the modules that start runs in the background run last: those runs then have the whole session
     early = [i for i in items if hasattr(i.module, "start_early")]
-    items[:] = [i for i in items if i not in early] + early
+    # ... and after them the tests that time steps against a prediction: by then the background runs are done, so
+    # the cores are theirs (beside those runs a check took 3.5x as long and measured contention, then ran again)
+    timed = [i for i in items if i.get_closest_marker("times_steps") is not None]
+    items[:] = [i for i in items if i not in early and i not in timed] + early + timed
 
 
 def pytest_collection_finish(session):

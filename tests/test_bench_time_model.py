@@ -21,6 +21,7 @@ from dhp.scripts.bench.time_model import CONFIGS, MIXED, OVERSUBSCRIBED, TOLERAN
 CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "results" / "ops_profile_cpu.json"
 
 
+@pytest.mark.times_steps
 def test_plan_predicts_every_measured_step_within_tolerance(trainers):
     result = run(None, quick=True, steps=3, trainers=trainers)
     assert [r["config"] for r in result["rows"]] == list(CONFIGS) + list(MIXED) and len(CONFIGS) >= 6
