@@ -8,9 +8,8 @@ tests are chosen (`pytest_collection_finish` in conftest.py) and its tests run l
 
 A job's thread runs at nice 10 (Linux keeps a nice value per thread), and every process it starts inherits it.
 The kernel applies nice values only within one process session (an autogroup): a job that starts a session of
-its own (test_faults.py's recovery bench does, so that it can be killed with its runs) would share the CPU with
-the tests about equally whatever its nice value, so such a job gives its session the same nice value
-(`nice_session`), and the tests beside it keep most of the cores when they want them.
+its own (test_faults.py's recovery bench does, so that it can be killed with its runs) shares the CPU with the
+tests about equally whatever its nice value, and the tests beside it take longer (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -53,15 +52,6 @@ class Background:
         if self._error is not None:
             raise self._error
         return self._value
-
-
-def nice_session(pid: int) -> None:
-    """Give the process session (autogroup) that `pid` started the background's nice value: every process in it,
-    those it starts later included, then yields the CPU to the tests. No-op where Linux has no autogroups."""
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(NICE))
-    except OSError:
-        pass
 
 
 _SCRATCH: list[Path] = []

@@ -37,7 +37,7 @@ from dhp.scripts.bench.recovery import (
     start_run,
 )
 from dhp.stages.checkpoint_files import verify
-from tests.background import Background, at_stop, nice_session, scratch_dir
+from tests.background import Background, at_stop, scratch_dir
 
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
@@ -65,7 +65,6 @@ def _recovery(out: Path) -> dict[str, dict]:
         text=True,
         start_new_session=True,  # its runs in its process group: killed with it when the session stops early
     )
-    nice_session(proc.pid)
     at_stop(lambda: _kill_group(proc))
     stdout, stderr = proc.communicate(timeout=3600)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
