@@ -38,16 +38,13 @@ def _rank_state(worker: Any) -> dict[str, Any]:
     return {"stage": worker.stage, "rank": worker.rank, **worker.state_bytes()}
 
 
-def measure(
-    overrides: list[str], ckpt: Path, config: Any, sample: dict, size: dict, previous: Any = None
-) -> tuple[dict[str, Any], Any]:
-    """(the mode's row, the trainer it ran on): `previous`, the last mode's trainer, rebuilt for this mode (every
-    mode has the same pools: no process is started again); the caller shuts the last one down."""
+def measure(overrides: list[str], ckpt: Path, config: Any, sample: dict, size: dict, trainers: Any) -> dict[str, Any]:
+    """The mode's row, on a trainer from `trainers` (stages/trainer.py `LastTrainer`: every mode has the same
+    pools, so the last mode's trainer is rebuilt for this one and no process is started again)."""
     import ray
 
     from dhp.scripts.bench.time_model import global_batches, timed_steps
     from dhp.stages.config import load_config
-    from dhp.stages.trainer import trainer_for
 
     length = len(sample["input_ids"])
     cfg = load_config(
@@ -61,7 +58,7 @@ def measure(
             "training.warmup_steps=0",
         ],
     )
-    trainer = trainer_for(cfg, config, previous)
+    trainer = trainers.take(cfg, model_config=config)
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
         batches = global_batches(sample, cfg, config, size["samples"] // trainer.dp, trainer.dp)
@@ -74,9 +71,10 @@ def measure(
             rank["activations"] = max((r.get("step_bytes", r["bytes"]) for r in recs), default=0)
         trainer.optimizer_step()
     except BaseException:
-        trainer.shutdown()
+        trainers.give_back(trainer, ok=False)
         raise
-    return {"step_s": statistics.median(times[1:]), "steps_s": times, "ranks": ranks}, trainer
+    trainers.give_back(trainer, ok=True)
+    return {"step_s": statistics.median(times[1:]), "steps_s": times, "ranks": ranks}
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -86,6 +84,7 @@ def run(quick: bool) -> dict[str, Any]:
 
     from dhp.scripts.bench.peers import bench_config
     from dhp.scripts.peers.probe import image_sample, patches
+    from dhp.stages.trainer import LastTrainer
 
     size = QUICK if quick else FULL
     started = not ray.is_initialized()
@@ -97,15 +96,14 @@ def run(quick: bool) -> dict[str, Any]:
             torch.manual_seed(0)
             Qwen2_5_VLForConditionalGeneration(config).save_pretrained(Path(tmp) / "ckpt")
             sample = image_sample(config, size["side"], Path(tmp) / "images")
-            rows, trainer = [], None
+            rows, trainers = [], LastTrainer()
             try:
                 for mode, overrides in MODES.items():
-                    m, trainer = measure(overrides, Path(tmp) / "ckpt", config, sample, size, trainer)
+                    m = measure(overrides, Path(tmp) / "ckpt", config, sample, size, trainers)
                     rows.append({"mode": mode, "overrides": overrides, **m})
                     print(f"{mode}: {m['step_s']:.3f} s", flush=True)
             finally:
-                if trainer is not None:
-                    trainer.shutdown()
+                trainers.close()
     finally:
         if started:
             ray.shutdown()

@@ -287,15 +287,13 @@ def plot_timelines(panels: list[tuple[str, list[dict], tuple[float, float]]], pa
 
 
 def run_scenario(
-    name: str, plan_row: tuple, preset: dict, batch, out: Path | None, previous: Any = None
-) -> tuple[dict, list[str], Any]:
-    """(the scenario's row, its timeline text, the trainer it ran on): every scenario has one actor per pool, so
-    `previous`, the last scenario's trainer, is rebuilt for this one's model (`trainer_for`); the caller shuts
-    the last one down."""
+    name: str, plan_row: tuple, preset: dict, batch, out: Path | None, trainers: Any
+) -> tuple[dict, list[str]]:
+    """(the scenario's row, its timeline text), on a trainer from `trainers` (stages/trainer.py `LastTrainer`:
+    every scenario has one actor per pool, so the last scenario's trainer is rebuilt for this one's model)."""
     from dhp.models.parallel.schedule import pipeline_schedule, simulate
     from dhp.stages.config import load_config
     from dhp.stages.trace import write_chrome_trace
-    from dhp.stages.trainer import trainer_for
 
     (depth, layers, intended), m = plan_row, len(batch.microbatches)
     pools = [
@@ -315,7 +313,7 @@ def run_scenario(
             "training.lr=1e-6",
         ],
     )  # the model barely moves: every step costs the same
-    trainer = trainer_for(cfg, model_config(preset, depth, layers), previous)
+    trainer = trainers.take(cfg, model_config=model_config(preset, depth, layers))
     res, texts = {}, [f"{name}: vision depth {depth}, text layers {layers}"]
     try:
         for mode, k in MODES:
@@ -325,8 +323,9 @@ def run_scenario(
             if out is not None:
                 write_chrome_trace(events, out.with_name(f"{out.stem}.{name}.{mode}.trace.json"))
     except BaseException:
-        trainer.shutdown()
+        trainers.give_back(trainer, ok=False)
         raise
+    trainers.give_back(trainer, ok=True)
     s, p = res["serial"], res["pipelined"]
     tv, tt = s["vision_forward"] + s["vision_backward"], s["text_forward_backward"]
     alone = {k: min(s[k], p[k]) for k in ("vision_s", "text_s")}  # each pool's own work (module docstring)
@@ -370,7 +369,7 @@ def run_scenario(
         speedup=row["speedup"] >= GOAL_SPEEDUP if name == "balanced" else None,
         driver_overhead=row["driver_overhead_ms"] <= GOAL_OVERHEAD_MS,
     )
-    return row, texts, trainer
+    return row, texts
 
 
 def table(rows: list[dict]) -> str:
@@ -437,6 +436,7 @@ def main(args=None) -> int:
     import ray
 
     from dhp.stages.rendezvous import local_ray_on_loopback
+    from dhp.stages.trainer import LastTrainer
 
     own_ray = not ray.is_initialized()  # a caller's Ray (the tests' session fixture) is reused, left running
     rows, texts = [], []
@@ -459,11 +459,11 @@ def main(args=None) -> int:
         try:
             batch = global_batch(samples[: preset["microbatches"]])
             chosen = args.scenario or [*SCENARIOS, "vision_bound_scaling"]
-            trainer = None
+            trainers = LastTrainer()
             try:
                 for name in (n for n in SCENARIOS if n in chosen):
-                    row, text, trainer = run_scenario(
-                        name, plan(fits, preset["unit_s"], preset["cap"])[name], preset, batch, out, trainer
+                    row, text = run_scenario(
+                        name, plan(fits, preset["unit_s"], preset["cap"])[name], preset, batch, out, trainers
                     )
                     rows.append(row)
                     texts += text
@@ -474,8 +474,7 @@ def main(args=None) -> int:
                         c = row[f"{stage}_ms_per_mb"] / 1e3 / (a + b * n)
                         fits[stage] = (a * c, b * c)
             finally:  # the scaling scenario needs the CPUs it held
-                if trainer is not None:
-                    trainer.shutdown()
+                trainers.close()
             if "vision_bound_scaling" in chosen:
                 depth, layers, _ = plan(fits, preset["unit_s"], preset["cap"])["vision_heavy"]
                 costs = (fits["vision"][0] + fits["vision"][1] * depth, fits["text"][0] + fits["text"][1] * layers)
