@@ -157,16 +157,17 @@ RESOURCES = ["vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
 
 
 def by_pool_shape(cases: list) -> list:
-    """`cases` (`pytest.param`s, a layout's overrides first) grouped by the shape of their pools, in the order given:
-    the layouts built on the same actors run one after another, each taking over the previous one's actors
-    (`TrainerCache`, tests/conftest.py) instead of starting new ones. Each is marked `pool_shape`, so that the
-    module's cases of both families that share a shape also run together (conftest.py `shapes_together`)."""
-    groups: dict[tuple, list] = {}
-    for case in cases:
-        shape = pool_shape(load_config("tiny", BASE + RESOURCES + case.values[0]))
-        marked = pytest.param(*case.values, marks=[*case.marks, pytest.mark.pool_shape(repr(shape))], id=case.id)
-        groups.setdefault(shape, []).append(marked)
-    return [case for group in groups.values() for case in group]
+    """`cases` (`pytest.param`s, a layout's overrides first), each marked `pool_shape` with the shape of its pools:
+    conftest.py `shapes_together` runs the module's cases of one shape one after another, each taking over the
+    previous one's actors (`TrainerCache`) instead of starting new ones, across both families' tests."""
+    return [
+        pytest.param(*case.values, marks=[*case.marks, pytest.mark.pool_shape(repr(shape_of(case)))], id=case.id)
+        for case in cases
+    ]
+
+
+def shape_of(case) -> tuple:
+    return pool_shape(load_config("tiny", BASE + RESOURCES + case.values[0]))
 
 
 # The fan layouts are left out of the plan's check: one sample per text replica leaves some vision replicas idle.
