@@ -67,8 +67,12 @@ class TrainerCache:
 
     def __init__(self) -> None:
         self.kept: list = []
-        self.built = self.reused = 0
+        self.reused = 0
         self.builds: collections.Counter = collections.Counter()  # pool shape -> trainers built of it
+
+    @property
+    def built(self) -> int:
+        return sum(self.builds.values())
 
     @contextlib.contextmanager
     def use(self, cfg, **kwargs):
@@ -101,7 +105,6 @@ class TrainerCache:
             return trainer
         pools = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text))
         self._make_room(pools + data)
-        self.built += 1
         self.builds[pool_shape(cfg)] += 1
         return Trainer(cfg, *args, **kwargs)
 
