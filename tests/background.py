@@ -1,15 +1,19 @@
 """Subprocess runs a module starts as soon as the tests are chosen, in the background beside the other tests.
 
 Why: the full tier leaves the two cores idle a fifth of its time (Ray starting, step deadlines waited out,
-the bubbles of one-thread actors), and `tests/test_faults.py` is ten `dhp train` runs that no other test
-touches. A module that defines `start_early(out: Path, fixtures: set[str])` has it called once the session's
-tests are chosen (`pytest_collection_finish` in conftest.py) and its tests run last; the function starts
-`Background` jobs and the module's fixtures wait on their results.
+the bubbles of one-thread actors), and some modules' checks read nothing but finished subprocess runs that no
+other test touches: `tests/test_faults.py` (ten `dhp train` runs), `tests/test_train_job.py` (the default run),
+`tests/test_ray_job.py` (two Ray Jobs on a head of its own), `tests/test_gpu_bundle.py` (the bundle's build). A
+module that defines `start_early(out: Path, fixtures: set[str])` has it called once the session's tests are chosen
+(`pytest_collection_finish` in conftest.py) and its tests run last; the function starts jobs (`start`) and the
+module's fixtures or tests wait on their results (`result`).
 
-A job's thread runs at nice 10 (Linux keeps a nice value per thread), and every process it starts inherits it.
-The kernel applies nice values only within one process session (an autogroup): a job that starts a session of
-its own (test_faults.py's recovery bench does, so that it can be killed with its runs) shares the CPU with the
-tests about equally whatever its nice value, and the tests beside it take longer (docs/testing.md).
+The jobs run one after another, in the order they were started (two at once would need the memory of both
+beside the tests'). A job's thread runs at nice 10 (Linux keeps a nice value per thread), and every process it
+starts inherits it. The kernel applies nice values only within one process session (an autogroup): a job that
+starts a session of its own (test_faults.py's recovery bench does, so that it can be killed with its runs; so does
+the Ray head of test_ray_job.py) shares the CPU with the tests about equally whatever its nice value, and the tests
+beside it take longer (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -52,6 +56,23 @@ class Background:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+_JOBS: dict[str, Background] = {}
+
+
+def start(name: str, fn: Callable[[], Any]) -> None:
+    """Job `name` runs `fn()` once every job started before it has ended; starting it again does nothing."""
+    if name not in _JOBS:
+        _JOBS[name] = Background(name, fn, after=next(reversed(_JOBS.values()), None))
+
+
+def result(name: str, start_early: Callable[[], None]) -> Any:
+    """Wait for job `name` and return what it returned (or raise what it raised). `start_early` starts it if
+    nothing has (the module's tests were chosen after collection, by a plugin reordering them)."""
+    if name not in _JOBS:
+        start_early()
+    return _JOBS[name].result()
 
 
 _SCRATCH: list[Path] = []

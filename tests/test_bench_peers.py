@@ -27,13 +27,14 @@ def test_largest_fitting_climbs_then_bisects():
     assert patches(112) == 64
 
 
-def test_quick_bench_runs_every_system_under_its_cap(ray_session, tmp_path):
+def test_quick_bench_runs_every_system_under_its_cap(trainers, tmp_path):
     partial = []  # what a time-limited run keeps: the JSON after each system
     result = run(
         quick=True,
         on_system=lambda r: partial.append(
             ([s["name"] for s in r["systems"]], r["complete"], r["goals"]["sp_tp_not_slower_than_uniform_tp"])
         ),
+        trainers=trainers,
     )
     names = [r["name"] for r in result["systems"]]
     assert names == list(systems(result["ranks"]))

@@ -37,7 +37,8 @@ from dhp.scripts.bench.recovery import (
     start_run,
 )
 from dhp.stages.checkpoint_files import verify
-from tests.background import Background, at_stop, scratch_dir
+from tests import background
+from tests.background import at_stop, scratch_dir
 
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
@@ -82,22 +83,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-_EARLY: dict[str, Background] = {}
-
-
 def start_early(out: Path, fixtures: set[str]) -> None:
     """The bench's runs and then this module's own, in the background from the start of the session
     (tests/background.py); the fixtures below wait for them."""
-    if "recovery" in fixtures and "recovery" not in _EARLY:
-        _EARLY["recovery"] = Background("recovery", lambda: _recovery(out / "recovery"))
-    if "runs" in fixtures and "runs" not in _EARLY:
-        _EARLY["runs"] = Background("runs", lambda: _runs(out / "runs"), after=_EARLY.get("recovery"))
+    if "recovery" in fixtures:
+        background.start("faults: recovery", lambda: _recovery(out / "recovery"))
+    if "runs" in fixtures:
+        background.start("faults: runs", lambda: _runs(out / "runs"))
 
 
 def _early(name: str) -> Any:
-    if name not in _EARLY:  # the module's tests were chosen after collection (a plugin reordering them)
-        start_early(scratch_dir("faults"), {name})
-    return _EARLY[name].result()
+    return background.result(f"faults: {name}", lambda: start_early(scratch_dir("faults"), {name}))
 
 
 @pytest.fixture(scope="module")

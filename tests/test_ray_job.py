@@ -5,7 +5,8 @@ token (token auth on), and at the end exactly that head is stopped, never `ray s
 every Ray on the machine). The first job trains the hybrid layout (vision SP2 x DP2, text TP2 x DP2, disjoint
 placement, traced) for a few steps through the real loader (per-rank patch shards) and exports; its config
 file exists only in the shipped working dir. A second job, the default layout, is stopped with `ray job stop`
-mid-run: it must checkpoint and say where (preemption).
+mid-run: it must checkpoint and say where (preemption). Both run in the background when the session's tests are
+chosen (tests/background.py), with their checks; the test raises what they raised and checks the head's end.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from dhp.scripts.local_head import Listener, LocalHead, alive, start_head
 from dhp.stages.checkpoint_files import verify
 from dhp.stages.config import preset_path
+from tests import background
+from tests.background import scratch_dir
 
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
@@ -48,7 +51,9 @@ HYBRID = [
     "pipeline.trace=true",
 ]
 STEPS = 4
-JOB_TIMEOUT_S = 300  # a loaded 2-core machine; the job itself takes about a minute
+# In the background at nice 10 beside the other tests on a 2-core machine; a job alone takes about a minute
+JOB_TIMEOUT_S = 600
+HEAD_TIMEOUT_S = 240
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 
 
@@ -65,14 +70,31 @@ def _ray(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Complete
     return subprocess.run([RAY, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def test_ray_job_submit_trains_on_a_loopback_head(tmp_path, tmp_path_factory):
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """Both jobs run in the background from the start of the session (tests/background.py), their checks with
+    them; the test reads the outcome."""
+    if "ray_jobs" in fixtures:
+        background.start("ray job: a head and two jobs", lambda: _two_jobs(out))
+
+
+def _two_jobs(out: Path) -> tuple[LocalHead, set[Listener], list]:
     # logical CPUs: 8 stage actors, 3 loaders and the job's driver on this 2-core machine
-    head = start_head(tmp_path_factory.mktemp("rh"), num_cpus=4, resources={"trainer_host": 1})
+    head = start_head(out / "rh", num_cpus=4, resources={"trainer_host": 1}, timeout_s=HEAD_TIMEOUT_S)
     try:
-        seen_listening = _submit_and_check(head, tmp_path)
-        _stop_and_check(head, tmp_path)
+        seen_listening = _submit_and_check(head, out)
+        _stop_and_check(head, out)
     finally:
         forced = head.stop()
+    return head, seen_listening, forced
+
+
+@pytest.fixture(scope="module")
+def ray_jobs() -> tuple[LocalHead, set[Listener], list]:
+    return background.result("ray job: a head and two jobs", lambda: start_early(scratch_dir("ray_job"), {"ray_jobs"}))
+
+
+def test_ray_job_submit_trains_on_a_loopback_head(ray_jobs):
+    head, seen_listening, forced = ray_jobs
     assert not alive(head.seen), f"processes of the head still running: {alive(head.seen)}"
     assert not forced, f"needed SIGKILL after `ray start` was sent SIGTERM: {forced}"
     # Nothing the head or its job started listens beyond the loopback interface (GCS, raylet, object

@@ -1,8 +1,9 @@
 """The README's main command, `dhp train` on its embedded default, run as a user runs it.
 
-Only the output locations are redirected into a temporary directory; everything else is the default
-(tiny model, synthetic data written on first use, local Ray, vision sequence-parallel 2, text
-tensor-parallel 2, vision forwards pipelined ahead of the text stage, 100 steps).
+Only the output locations are redirected into a temporary directory; everything else is the default (tiny model,
+synthetic data written on first use, local Ray, vision sequence-parallel 2, text tensor-parallel 2, vision forwards
+pipelined ahead of the text stage, 100 steps). The run starts in the background when the session's tests are chosen
+(tests/background.py); the test reads what it wrote.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from transformers import Qwen2_5_VLForConditionalGeneration
+
+from tests import background
+from tests.background import scratch_dir
 
 pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (tests/README.md)
 
@@ -39,20 +44,35 @@ REQUIRED = {
 }
 
 
-def test_default_run_learns_and_writes_its_outputs(tmp_path):
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """The run starts in the background at the start of the session (tests/background.py); the test reads it."""
+    if "default_run" in fixtures:
+        background.start("train job: default run", lambda: _default_run(out))
+
+
+def _default_run(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [
         sys.executable,
         "-m",
         "dhp.stages.cli",
         "train",
-        f"output.dir={tmp_path}/runs",
+        f"output.dir={out}/runs",
         "output.name=default",
-        f"data.synthetic.dir={tmp_path}/synth",
+        f"data.synthetic.dir={out}/synth",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800), out
+
+
+@pytest.fixture(scope="module")
+def default_run() -> tuple[subprocess.CompletedProcess, Path]:
+    return background.result("train job: default run", lambda: start_early(scratch_dir("train_job"), {"default_run"}))
+
+
+def test_default_run_learns_and_writes_its_outputs(default_run):
+    proc, out = default_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "runs" / "default"
+    run = out / "runs" / "default"
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 101))
@@ -94,7 +114,7 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path):
         assert notice not in output, notice
     # What is placed where is printed at start: two ranks per pool, sharing bundles.
     assert "placement: shared" in proc.stdout and proc.stdout.count("vision rank") == 2
-    assert (tmp_path / "synth" / "train.jsonl").exists() and (tmp_path / "synth" / "val.jsonl").exists()
+    assert (out / "synth" / "train.jsonl").exists() and (out / "synth" / "val.jsonl").exists()
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "checkpoint")
     assert model.config.text_config.hidden_size == 64

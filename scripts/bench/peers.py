@@ -21,7 +21,8 @@ one-image samples of the same image.
 
 Per system: the median step time at the fixed image (`--side` px) and its vision tokens/s (ViT patches per
 second: N images a step), peak activation bytes (what autograd keeps for backward, `SavedBytes`) and peak RSS
-per rank, and the largest image it trains under the per-rank cap. The cap is enforced by measurement: a rank's
+per rank (of that system alone: the kernel's peak is reset when a system takes over the last one's actors), and the
+largest image it trains under the per-rank cap. The cap is enforced by measurement: a rank's
 bytes are its model state (parameters + gradients + Adam moments, as that rank holds them) plus the bytes its
 autograd kept in that step (measured per rank with saved-tensor hooks); a probe whose worst rank exceeds the cap
 does not fit. Process RSS is reported but not capped: on CPU it is mostly libraries (~0.9 GB a process), not
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import resource
 import statistics
 import tempfile
 import time
@@ -110,12 +110,16 @@ def bench_config():
 
 def _rank_memory(worker: Any) -> dict[str, int]:
     """Runs inside a stage actor: its model state (parameters, gradients of the same size, Adam moments) and
-    its process's peak RSS."""
+    its process's peak RSS since `_reset_peak_rss` (the kernel's VmHWM)."""
     state = worker.state_bytes()
-    return {
-        "state": 2 * state["params"] + state["optimizer"],
-        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }
+    status = Path("/proc/self/status").read_text()
+    return {"state": 2 * state["params"] + state["optimizer"], "rss": int(status.split("VmHWM:")[1].split()[0]) * 1024}
+
+
+def _reset_peak_rss(worker: Any) -> None:
+    """Runs inside a stage actor: the kernel's peak RSS (VmHWM) starts again from the current RSS, so that an
+    actor that trained an earlier system (a reused trainer) reports the peak of this one only."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def run_dhp(
@@ -128,13 +132,15 @@ def run_dhp(
     cap: int,
     steps: int,
     work: Path,
+    trainers: Any,
 ) -> dict[str, Any]:
+    """One dhp system on a trainer from `trainers` (`take` / `give_back`: stages/trainer.py `LastTrainer`, or a
+    cache that keeps trainers longer): the systems' pools have one shape, so each rebuilds the last one's actors."""
     import ray
 
     from dhp.scripts.bench.time_model import global_batches
     from dhp.scripts.peers.probe import image_sample, largest_fitting, patches
     from dhp.stages.config import load_config
-    from dhp.stages.trainer import Trainer
 
     longest = patches(max(sides, default=0)) // 4 + 256 if sides else len(timing["input_ids"])
     cfg = load_config(
@@ -149,9 +155,10 @@ def run_dhp(
         ]
         + gpu_settings(n, _gpus()),
     )
-    trainer = Trainer(cfg, model_config=config)
+    trainer = trainers.take(cfg, model_config=config)
     try:
         actors = [a for _, pool in trainer.pools() for a in pool.actors]
+        ray.get([a.__ray_call__.remote(_reset_peak_rss) for a in actors])
 
         def measured_step(sample: dict) -> tuple[int, int]:
             """One step on `sample`: (worst rank's state + kept bytes, worst rank's kept bytes)."""
@@ -182,8 +189,10 @@ def run_dhp(
         # probe's single step does not measure.
         largest = largest_fitting(fits, sides) if sides and cfg.pipeline.max_in_flight == 1 else None
         memory = ray.get([a.__ray_call__.remote(_rank_memory) for a in actors])
-    finally:
-        trainer.shutdown()
+    except BaseException:
+        trainers.give_back(trainer, ok=False)
+        raise
+    trainers.give_back(trainer, ok=True)
     return {
         "step_s": statistics.median(times[1:] or times),
         "steps_s": times,
@@ -250,15 +259,18 @@ def run(
     n: int | None = None,
     cap_gib: float | None = None,
     on_system: Callable[[dict[str, Any]], None] | None = None,
+    trainers: Any = None,
 ) -> dict[str, Any]:
     """Every system in turn. `on_system` is handed the result so far after each (`complete` false until the
-    last; goals only once their systems have run), so a run cut off by a time limit keeps what it measured."""
+    last; goals only once their systems have run), so a run cut off by a time limit keeps what it measured.
+    `trainers`: where the dhp systems' trainers come from (default a `LastTrainer`, shut down at the end)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from dhp.scripts.peers.probe import image_sample, ladder, patches
     from dhp.stages.config import load_config
     from dhp.stages.driver import init_ray
+    from dhp.stages.trainer import LastTrainer
 
     n = n or (2 if quick else N_RANKS)
     gpu_settings(n, _gpus())  # refused before anything starts
@@ -269,30 +281,35 @@ def run(
     steps = 2 if quick else 3
     config = bench_config()
     results: dict[str, Any] = {}
+    source = trainers or LastTrainer()
     with tempfile.TemporaryDirectory(prefix="dhp-peers-") as tmp:
         work = Path(tmp)
         torch.manual_seed(0)
         Qwen2_5_VLForConditionalGeneration(config).save_pretrained(work / "ckpt")
         timing = image_sample(config, side, work / "images")
         init_ray(load_config("tiny", [f"ray.num_cpus={max(8, 2 * n + 2)}"]))
-        for name, overrides in systems(n).items():
-            start = time.perf_counter()
-            row = (
-                run_deepspeed(n, work / "ckpt", timing, sides, cap, steps, work)
-                if overrides is None
-                else run_dhp(overrides, n, work / "ckpt", config, timing, sides, cap, steps, work)
-            )
-            row.update(
-                name=name,
-                wall_s=time.perf_counter() - start,
-                vision_tokens_per_s=n * patches(side) / row["step_s"],
-                largest_patches=patches(row["largest_side"]) if row["largest_side"] else None,
-            )
-            results[name] = row
-            print(f"  {name}: {row['step_s']:.2f} s/step, largest {row['largest_patches']} patches", flush=True)
-            if on_system:
-                done = len(results) == len(systems(n))
-                on_system(summary(results, n, quick, side, sides, cap, config, complete=done))
+        try:
+            for name, overrides in systems(n).items():
+                start = time.perf_counter()
+                row = (
+                    run_deepspeed(n, work / "ckpt", timing, sides, cap, steps, work)
+                    if overrides is None
+                    else run_dhp(overrides, n, work / "ckpt", config, timing, sides, cap, steps, work, source)
+                )
+                row.update(
+                    name=name,
+                    wall_s=time.perf_counter() - start,
+                    vision_tokens_per_s=n * patches(side) / row["step_s"],
+                    largest_patches=patches(row["largest_side"]) if row["largest_side"] else None,
+                )
+                results[name] = row
+                print(f"  {name}: {row['step_s']:.2f} s/step, largest {row['largest_patches']} patches", flush=True)
+                if on_system:
+                    done = len(results) == len(systems(n))
+                    on_system(summary(results, n, quick, side, sides, cap, config, complete=done))
+        finally:
+            if trainers is None:
+                source.close()
     return summary(results, n, quick, side, sides, cap, config, complete=True)
 
 
