@@ -202,6 +202,10 @@ def write_image(path: Path, size: tuple[int, int], seed: int) -> None:
     Image.fromarray(pixels).save(path)
 
 
+# The parity samples' image a (420 x 476 px after smart_resize: 30 x 34 patches) and the pixels it may keep
+PARITY_IMAGE_A, PARITY_MAX_PIXELS = (476, 420), 448 * 448
+
+
 def write_parity_data(root: Path, size_a: tuple[int, int]) -> Path:
     """Image a of `size_a` px and a smaller image b: a two-image multi-turn conversation, a one-image and a
     text-only sample."""
@@ -264,14 +268,13 @@ def parity_data(tmp_path_factory) -> Path:
     window permutation at the boundary (tokens left in window order) moves the first step's loss by 2.2e-5
     relative under sp2-tp2, 20x the parity tests' 1e-6 (an 8 x 10-patch image, two windows, moves it by 5e-6).
     Image b fits inside one window."""
-    # 420 x 476 px after smart_resize: 30 x 34 patches
-    return write_parity_data(tmp_path_factory.mktemp("parity_data"), (476, 420))
+    return write_parity_data(tmp_path_factory.mktemp("parity_data"), PARITY_IMAGE_A)
 
 
 @pytest.fixture(scope="session")
 def parity_setup(tmp_path_factory, parity_data):
     """The tiny model and the layouts' parity samples (`parity_data`)."""
-    return preprocessed_parity_setup(tmp_path_factory, parity_data, max_pixels=448 * 448)
+    return preprocessed_parity_setup(tmp_path_factory, parity_data, max_pixels=PARITY_MAX_PIXELS)
 
 
 @pytest.fixture(scope="session")

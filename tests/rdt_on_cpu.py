@@ -14,6 +14,8 @@ the file named by DHP_TEST_RDT_LOG, so the test can see that the tensors took th
 
 `python -m tests.rdt_on_cpu CKPT SAMPLES OUT`: for each layout, one global batch under each boundary (host,
 then the RDT path): the loss, every gradient, and an evaluation loss, saved to OUT with torch.save.
+`python -m tests.rdt_on_cpu --build DIR`: the same on the session's parity model and samples (`parity_setup` in
+tests/conftest.py), built here under DIR; OUT is DIR/out.pt.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,5 +165,24 @@ def main(ckpt: str, samples_path: str, out_path: str) -> None:
     torch.save(out, out_path)
 
 
+def build_parity_setup(root: Path) -> tuple[str, str]:
+    """The checkpoint and the saved samples of conftest.py's `parity_setup`, built under `root`."""
+    from tests.conftest import PARITY_IMAGE_A, PARITY_MAX_PIXELS, preprocessed_parity_setup, write_parity_data
+
+    class Dirs:  # what preprocessed_parity_setup asks of pytest's tmp_path_factory
+        @staticmethod
+        def mktemp(name: str) -> Path:
+            (root / name).mkdir(parents=True)
+            return root / name
+
+    data = write_parity_data(Dirs.mktemp("parity_data"), PARITY_IMAGE_A)
+    _, ckpt, samples = preprocessed_parity_setup(Dirs, data, max_pixels=PARITY_MAX_PIXELS)
+    torch.save(samples, root / "samples.pt")
+    return str(ckpt), str(root / "samples.pt")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "--build":
+        main(*build_parity_setup(Path(sys.argv[2])), str(Path(sys.argv[2]) / "out.pt"))
+    else:
+        main(*sys.argv[1:4])

@@ -1,13 +1,22 @@
 """`dhp bench peers` (scripts/bench/peers.py) at its quick size: every system runs, the memory search is
 consistent with the cap it states, and the byte counts hold the structural claim (a DeepSpeed ZeRO-3 rank keeps
-a whole sample's activations, a dhp sequence / tensor rank a share). No wall-clock time is asserted."""
+a whole sample's activations, a dhp sequence / tensor rank a share). No wall-clock time is asserted. The bench runs
+in a process of its own, started in the background when the session's tests are chosen (tests/background.py)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from dhp.scripts.bench.peers import BASE, bench_config, gpu_settings, plot, run, systems, table
 from dhp.scripts.peers.probe import SIDE_UNIT, ladder, largest_fitting, patches
+from tests import background
+from tests.background import scratch_dir
 
 
 def test_largest_fitting_climbs_then_bisects():
@@ -27,15 +36,33 @@ def test_largest_fitting_climbs_then_bisects():
     assert patches(112) == 64
 
 
-def test_quick_bench_runs_every_system_under_its_cap(trainers, tmp_path):
-    partial = []  # what a time-limited run keeps: the JSON after each system
-    result = run(
-        quick=True,
-        on_system=lambda r: partial.append(
-            ([s["name"] for s in r["systems"]], r["complete"], r["goals"]["sp_tp_not_slower_than_uniform_tp"])
-        ),
-        trainers=trainers,
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """The quick bench runs in the background when the session's tests are chosen (tests/background.py)."""
+    if "quick_bench" in fixtures:
+        background.start("bench peers: quick", lambda: _quick_bench(out))
+
+
+def _quick_bench(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """`run(quick=True)` in a process of its own (its Ray, DeepSpeed's ranks), by this module's `__main__`."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "tests.test_bench_peers", str(out / "peers.json")]
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1800), out
+
+
+@pytest.fixture(scope="module")
+def quick_bench() -> tuple[list, dict]:
+    proc, out = background.result(
+        "bench peers: quick", lambda: start_early(scratch_dir("bench_peers"), {"quick_bench"})
     )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ran = json.loads((out / "peers.json").read_text())
+    return ran["partial"], ran["result"]
+
+
+@pytest.mark.slow  # a bench run with its own Ray
+def test_quick_bench_runs_every_system_under_its_cap(quick_bench, tmp_path):
+    partial, result = quick_bench  # partial: what a time-limited run keeps, the JSON after each system
     names = [r["name"] for r in result["systems"]]
     assert names == list(systems(result["ranks"]))
     assert [p[0] for p in partial] == [names[:i] for i in range(1, len(names) + 1)]
@@ -71,3 +98,16 @@ def test_on_gpus_every_system_takes_one_gpu_per_rank():
         cfg = load_config("tiny", BASE + overrides + ["training.global_batch_size=1"] + gpu_settings(1, 1))
         check_layout(cfg, bench_config())
         assert cfg.pipeline.shared and cfg.vision.num_gpus_per_actor == cfg.text.num_gpus_per_actor == 0.5
+
+
+if __name__ == "__main__":  # the quick bench for `_quick_bench`: its result and what it handed `on_system`
+    from dhp.scripts.results import write_json
+
+    seen: list = []
+    ran = run(
+        quick=True,
+        on_system=lambda r: seen.append(
+            ([s["name"] for s in r["systems"]], r["complete"], r["goals"]["sp_tp_not_slower_than_uniform_tp"])
+        ),
+    )
+    write_json(sys.argv[1], {"partial": seen, "result": ran})

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import ray
 import torch
 
 from dhp.stages.boundary import WireTensor, from_wire, to_wire
+from tests import background
+from tests.background import scratch_dir
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -102,39 +109,43 @@ def test_cuda_ipc_needs_both_pools_on_one_gpu():
         load_config("tiny", ["pipeline.boundary=nccl"])
 
 
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """The RDT run starts in the background when the session's tests are chosen (tests/background.py)."""
+    if "rdt_run" in fixtures:
+        background.start("boundary wire: the RDT path", lambda: _rdt_run(out))
+
+
+def _rdt_run(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "DHP_TEST_RDT_LOG": str(out / "rdt.log"),
+    }
+    command = [sys.executable, "-m", "tests.rdt_on_cpu", "--build", str(out / "run")]
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1800), out
+
+
+@pytest.fixture(scope="module")
+def rdt_run() -> tuple[subprocess.CompletedProcess, Path]:
+    return background.result(
+        "boundary wire: the RDT path", lambda: start_early(scratch_dir("boundary_wire"), {"rdt_run"})
+    )
+
+
 @pytest.mark.slow  # its own Ray in a subprocess
-def test_the_ray_direct_transport_path_trains_as_the_host_path(parity_setup, tmp_path):
+def test_the_ray_direct_transport_path_trains_as_the_host_path(rdt_run):
     """`pipeline.boundary=cuda_ipc`'s calls (one return each, the shard gradients as `gradient` calls, RDT
     references passed actor to actor) with Ray's RDT machinery, on a CPU: only the mover is a stand-in
     (tests/rdt_on_cpu.py). One global batch under each boundary, one vision + one text actor (a text-only
     micro-batch included) and SP 2 / TP 2: the same loss, gradients and evaluation loss, and the tensors did
-    take the RDT path. A subprocess: the stand-in is installed in every actor at its start."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    take the RDT path. A subprocess (the stand-in is installed in every actor at its start) on the parity model
+    and samples, started in the background."""
     from tests.rdt_on_cpu import LAYOUTS
 
-    _, ckpt, samples = parity_setup
-    torch.save(samples, tmp_path / "samples.pt")
-    root = Path(__file__).resolve().parent.parent
-    log = tmp_path / "rdt.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-        "DHP_TEST_RDT_LOG": str(log),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.rdt_on_cpu", str(ckpt), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc, tmp_path = rdt_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    out = torch.load(tmp_path / "run" / "out.pt", weights_only=False)
     for name in LAYOUTS:
         host, rdt = out[f"{name}/host"], out[f"{name}/cuda_ipc"]
         assert rdt["loss"] == pytest.approx(host["loss"], rel=1e-6)
@@ -142,7 +153,7 @@ def test_the_ray_direct_transport_path_trains_as_the_host_path(parity_setup, tmp
         assert set(rdt["grads"]) == set(host["grads"])
         for param, g in host["grads"].items():
             torch.testing.assert_close(rdt["grads"][param], g, rtol=1e-5, atol=1e-8, msg=f"{name}: {param}")
-    lines = log.read_text().splitlines()
+    lines = (tmp_path / "rdt.log").read_text().splitlines()
     sends = [ln for ln in lines if " send " in ln]
     # 1v1t: 3 micro-batches' shards (the text-only one's has 0 rows) and their 3 gradients, 1 eval shard;
     # sp2-tp2: 2 micro-batches x 2 SP shards and their 4 gradients, 2 eval shards

@@ -259,11 +259,10 @@ def run(
     n: int | None = None,
     cap_gib: float | None = None,
     on_system: Callable[[dict[str, Any]], None] | None = None,
-    trainers: Any = None,
 ) -> dict[str, Any]:
     """Every system in turn. `on_system` is handed the result so far after each (`complete` false until the
     last; goals only once their systems have run), so a run cut off by a time limit keeps what it measured.
-    `trainers`: where the dhp systems' trainers come from (default a `LastTrainer`, shut down at the end)."""
+    The dhp systems' pools have one shape: each system rebuilds the last one's actors (`LastTrainer`)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -281,7 +280,7 @@ def run(
     steps = 2 if quick else 3
     config = bench_config()
     results: dict[str, Any] = {}
-    source = trainers or LastTrainer()
+    source = LastTrainer()
     with tempfile.TemporaryDirectory(prefix="dhp-peers-") as tmp:
         work = Path(tmp)
         torch.manual_seed(0)
@@ -308,8 +307,7 @@ def run(
                     done = len(results) == len(systems(n))
                     on_system(summary(results, n, quick, side, sides, cap, config, complete=done))
         finally:
-            if trainers is None:
-                source.close()
+            source.close()
     return summary(results, n, quick, side, sides, cap, config, complete=True)
 
 
