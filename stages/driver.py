@@ -24,6 +24,7 @@ from dhp.stages.node_probe import lost_nodes
 from dhp.stages.preemption import Preempted, Preemption
 from dhp.stages.rebalance import Rebalanced, Rebalancer
 from dhp.stages.step_ledger import StepInvariantError
+from dhp.stages.step_logs import StepLogs
 from dhp.stages.watchdog import DataStalled, StepClock, StepHung
 
 
@@ -319,99 +320,96 @@ def _lost_node(trainer, probe: bool = True) -> bool:
     return bool(lost_nodes(used, NODE_PROBE_S if probe else None))
 
 
-def _lines_before(path: Path, step: int) -> list[str]:
-    """JSONL lines of `path` whose `step` is before `step` (what a resumed run keeps)."""
-    if step <= 1 or not path.exists():
-        return []
-    return [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
-
-
 def _loop(cfg: Config, trainer, run_dir: Path, preemption: Preemption, after_fault: bool = False) -> dict[str, Any]:
-    t = cfg.training
-    steps, history, eval_loss, first = t.steps, [], None, 1
-    start = time.perf_counter()
-    ckpt_root = run_dir / "checkpoints"
+    t, start = cfg.training, time.perf_counter()
     # After a fault, this run's own newest checkpoint, whatever `training.resume` said at the start.
     resumed = (Newest() if after_fault else resume_from(t.resume)).point(run_dir)
+    first = trainer.restore_checkpoint(resumed) + 1 if resumed is not None else 1
     if resumed is not None:
-        first = trainer.restore_checkpoint(resumed) + 1
         print(f"resumed from {resumed} (step {first - 1})", flush=True)
     if preemption.requested:  # during start-up: nothing trained since `resumed`
         raise Preempted(first - 1, resumed, preemption.signal_name)
     peak = run_log.peak_of(cfg, trainer)  # before the first step: a CPU peak measured during one reads low
     if not after_fault:
         print(run_log.startup_summary(cfg, run_dir, first, peak), flush=True)
-    # Per-step logs; on a resume the steps before the resume point are kept as they were, the rest rewritten.
-    logs = {name: run_dir / f"{name}.jsonl" for name in ("metrics", "quarantine", "samples")}
-    kept = {name: _lines_before(path, first) for name, path in logs.items()}
-    history = [json.loads(line)["loss"] for line in kept["metrics"]]
-    pending, grace_checked = trainer.next_batch(), False
-    board = run_dir / "tensorboard" if cfg.output.tensorboard else None
-    rebalancer = Rebalancer(cfg, trainer.model_config)
+    saves, rebalancer = _Checkpoints(trainer, run_dir / "checkpoints", t), Rebalancer(cfg, trainer.model_config)
+    pending, eval_loss = trainer.next_batch(), None
     with ExitStack() as stack:
-        files = {name: stack.enter_context(open(path, "w")) for name, path in logs.items()}
-        for name, f in files.items():
-            f.writelines(line + "\n" for line in kept[name])
-        bar = stack.enter_context(run_log.Progress(steps, first - 1, every=t.log_every * 10))
-        tb = stack.enter_context(run_log.TensorBoard(board, first))
-        for step in range(first, steps + 1):
+        logs = stack.enter_context(StepLogs(run_dir, first))
+        bar = stack.enter_context(run_log.Progress(t.steps, first - 1, every=t.log_every * 10))
+        tb = stack.enter_context(
+            run_log.TensorBoard(run_dir / "tensorboard" if cfg.output.tensorboard else None, first)
+        )
+        for step in range(first, t.steps + 1):
             waited = time.perf_counter()  # the stages idle while the driver waits for the next global batch
             batches = trainer.fetch(pending, f"the global batch of step {step}")
-            pending = trainer.next_batch() if step < steps else None
+            pending = trainer.next_batch() if step < t.steps else None
             waited = time.perf_counter() - waited
-            for b in batches:  # every skipped record with its source location (file:line) and reason
-                files["quarantine"].writelines(json.dumps({"step": step, **q}) + "\n" for q in b.quarantined)
-            files["quarantine"].flush()
+            logs.skipped(step, batches)
             stats = trainer.train_step(batches)
-            record = {
-                "step": step,
-                **stats,
-                **run_log.throughput(batches, trainer.model_config, stats["step_time_s"], peak.flops),
-            }
-            record.update(data_wait_s=round(waited, 4), time=time.time())
-            if step == steps or (t.eval_every and step % t.eval_every == 0):
+            throughput = run_log.throughput(batches, trainer.model_config, stats["step_time_s"], peak.flops)
+            record = {"step": step, **stats, **throughput, "data_wait_s": round(waited, 4), "time": time.time()}
+            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 record["eval_loss"] = eval_loss = trainer.evaluate()
-            files["metrics"].write(json.dumps(record) + "\n")
-            files["metrics"].flush()
-            # Which samples this step trained (epoch, source), per data-parallel stream: the audit that no
-            # sample is lost or repeated across faults and resumes.
-            files["samples"].writelines(
-                json.dumps({"step": step, "replica": r, "ids": b.ids}) + "\n" for r, b in enumerate(batches)
-            )
-            files["samples"].flush()
+            logs.trained(step, batches, record)
             tb.log(record)
-            saved = None
-            if step == steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                save_start = time.perf_counter()
-                saved = _save(trainer, ckpt_root, batches, t)
-                if not grace_checked:  # at the attempt's first checkpoint
-                    grace_checked = True
-                    _check_grace(stats["step_time_s"], time.perf_counter() - save_start, t.preempt_grace_s)
-            history.append(record["loss"])
+            saved = saves.due(step, batches, stats["step_time_s"])
             bar.update(record)
-            moved = rebalancer.after_step(record) if step < steps else None
-            ckpt = (saved or _save(trainer, ckpt_root, batches, t)) if moved else None
-            if ckpt:  # (a failed write: no move, the run continues in this layout)
-                raise Rebalanced(moved[0], step, ckpt, moved[1])
-            if preemption.requested and step < steps:  # (after the last step the run simply finishes)
-                ckpt = saved or _save(trainer, ckpt_root, batches, t) or latest_valid(ckpt_root)[0]
-                raise Preempted(step, ckpt, preemption.signal_name)  # a failed write: the newest intact one
+            if step < t.steps:  # (after the last step the run simply finishes)
+                _move_or_stop(rebalancer.after_step(record), preemption, saves, step, batches, saved)
     if cfg.output.save_final_checkpoint:
         trainer.save_weights(run_dir / "checkpoint")  # Hugging Face format; first: the weights matter more
     if cfg.pipeline.trace:
         trainer.write_trace(run_dir / "trace.json")
     summary = {
         "run_dir": str(run_dir),
-        "steps": steps,
+        "steps": t.steps,
         "resumed_from": str(resumed) if resumed else None,
-        "first_loss": history[0] if history else None,
-        "final_loss": sum(history[-5:]) / len(history[-5:]) if history else None,
+        "first_loss": logs.losses[0] if logs.losses else None,
+        "final_loss": sum(logs.losses[-5:]) / len(logs.losses[-5:]) if logs.losses else None,
         "eval_loss": eval_loss,
         "wall_s": time.perf_counter() - start,
         "skipped": trainer.skip_report(),
     }
     _write_summary(run_dir, summary)
     return summary
+
+
+def _move_or_stop(
+    moved: tuple | None, preemption: Preemption, saves: _Checkpoints, step: int, batches: list, saved: Path | None
+) -> None:
+    """After a step that is not the last: a rebalancer's move (`moved`) or a preemption leaves the loop with the
+    step's checkpoint (`saved`, else written now)."""
+    ckpt = saves.now(batches, saved) if moved else None
+    if ckpt:  # (a failed write: no move, the run continues in this layout)
+        raise Rebalanced(moved[0], step, ckpt, moved[1])
+    if preemption.requested:
+        ckpt = saves.now(batches, saved) or latest_valid(saves.root)[0]  # a failed write: the newest intact one
+        raise Preempted(step, ckpt, preemption.signal_name)
+
+
+class _Checkpoints:
+    """The run's checkpoints under `root`: at `training.checkpoint_every` and the last step (`due`), or when a move
+    or a preemption needs one now (`now`); the attempt's first write is timed against `training.preempt_grace_s`."""
+
+    def __init__(self, trainer, root: Path, t: Any):
+        self.trainer, self.root, self.t = trainer, root, t
+        self.grace_checked = False
+
+    def due(self, step: int, batches: list, step_s: float) -> Path | None:
+        """`step`'s checkpoint if one is due (None if not, or if its write failed)."""
+        if not (step == self.t.steps or (self.t.checkpoint_every and step % self.t.checkpoint_every == 0)):
+            return None
+        save_start = time.perf_counter()
+        saved = _save(self.trainer, self.root, batches, self.t)
+        if not self.grace_checked:
+            self.grace_checked = True
+            _check_grace(step_s, time.perf_counter() - save_start, self.t.preempt_grace_s)
+        return saved
+
+    def now(self, batches: list, saved: Path | None) -> Path | None:
+        """The step's checkpoint: `saved` if it was written, else written now (None if that write failed)."""
+        return saved or _save(self.trainer, self.root, batches, self.t)
 
 
 def _save(trainer, root: Path, batches: list, t: Any) -> Path | None:
