@@ -420,7 +420,8 @@ def pytest_collection_finish(session):
     for item in session.items:
         if hasattr(item.module, "start_early"):
             fixtures.setdefault(item.module, set()).update(getattr(item, "fixturenames", ()))
-    for module, names in fixtures.items():
+    # `BACKGROUND_FIRST`: a module whose jobs start before the others' (their queue runs in the order started)
+    for module, names in sorted(fixtures.items(), key=lambda m: not getattr(m[0], "BACKGROUND_FIRST", False)):
         module.start_early(background.scratch_dir(module.__name__.rsplit(".", 1)[-1]), names)
 
 

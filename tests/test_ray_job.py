@@ -66,6 +66,19 @@ def _http_status(url: str, headers: dict[str, str]) -> int:
         return e.code
 
 
+def _submit(args: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """`ray job submit --no-wait --submission-id ID ARGS`: (the command's outcome, ID). Tried up to three times
+    while the head's dashboard drops the connection before the job exists (it did once, uploading the working dir
+    while the 2-core machine was saturated); each try has its own ID, so a retry never meets a half-made job."""
+    for _ in range(3):
+        sid = "dhp-test-" + secrets.token_hex(4)
+        proc = _ray(["job", "submit", "--no-wait", "--submission-id", sid, *args], env, cwd)
+        if proc.returncode == 0 or "ConnectionError" not in proc.stderr + proc.stdout:
+            break
+        time.sleep(5)
+    return proc, sid
+
+
 def _ray(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([RAY, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
 
@@ -134,15 +147,9 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
         f"output.dir={tmp_path}/runs",
         "output.name=job",
     ]
-    sid = "dhp-test-" + secrets.token_hex(4)
     env = head.client_env()  # RAY_ADDRESS=http://127.0.0.1:PORT, RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH
-    submit = _ray(
+    submit, sid = _submit(
         [
-            "job",
-            "submit",
-            "--no-wait",
-            "--submission-id",
-            sid,
             "--working-dir",
             str(job_dir),
             "--runtime-env-json",
@@ -246,15 +253,9 @@ def _stop_and_check(head: LocalHead, tmp_path: Path) -> None:
         f"output.dir={tmp_path}/runs",
         "output.name=stopped",
     ]
-    sid = "dhp-test-" + secrets.token_hex(4)
     env = head.client_env()
-    submit = _ray(
+    submit, sid = _submit(
         [
-            "job",
-            "submit",
-            "--no-wait",
-            "--submission-id",
-            sid,
             "--working-dir",
             str(job_dir),
             "--runtime-env-json",
