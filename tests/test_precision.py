@@ -92,11 +92,12 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
 # Pure bf16 drifts from fp32 by rounding, not by a bug: bf16 keeps 8 significant bits (relative step 2^-8 =
 # 0.4%), so an AdamW update smaller than 0.4% of its weight is partly or wholly lost (lr 2e-3 against the
 # norm weights of 1.0 is exactly that regime), and the lost updates compound over steps. Measured on this
-# run: the relative gap grows from 0.01% at step 1 to 1.6% at step 27 while the loss falls from 12.3 to 7.
-# Allowed: 1% over the first ten steps (before drift can compound), 4% at any step (2.5x the measured
-# worst), and the same overall progress; a dtype mix-up (fp32 moments on bf16 weights, bf16 loss) or a
-# broken bf16 path moves far more than that, as does a training regression (the curves must each fall).
-STEPS = 30
+# run (`STEPS` steps): the relative gap grows from 0.01% at step 1 to 0.33% at step 15 while the loss falls
+# from 12.2 to 8.75 (0.72 of the first). Allowed: 0.5% over the first ten steps (before drift can compound,
+# 5x the measured 0.10%), 1% at any step (3x the measured worst), and the same overall progress (each curve
+# ends below 0.8 of where it began); a dtype mix-up (fp32 moments on bf16 weights, bf16 loss) or a broken
+# bf16 path moves far more than that, as does a training regression.
+STEPS = 15
 
 
 def test_bf16_loss_curve_tracks_fp32(trainers, tmp_path):
@@ -123,6 +124,6 @@ def test_bf16_loss_curve_tracks_fp32(trainers, tmp_path):
     fp32, bf16 = curves["fp32"], curves["bf16"]
     assert len(fp32) == len(bf16) == STEPS
     gaps = [abs(a - b) / a for a, b in zip(fp32, bf16)]
-    assert max(gaps[:10]) <= 0.01, gaps
-    assert max(gaps) <= 0.04, gaps
-    assert fp32[-1] < 0.7 * fp32[0] and bf16[-1] < 0.7 * bf16[0], (fp32, bf16)
+    assert max(gaps[:10]) <= 0.005, gaps
+    assert max(gaps) <= 0.01, gaps
+    assert fp32[-1] < 0.8 * fp32[0] and bf16[-1] < 0.8 * bf16[0], (fp32, bf16)
