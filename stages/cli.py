@@ -26,6 +26,7 @@
     dhp bench fine-tuning [--json PATH] [--quick]             (frozen ViT, merger only, frozen LLM vs full: time, bytes)
     dhp bench one-gpu [--json PATH] [--quick] [--model M]     (dhp on one device vs stock and same-kernel loops)
     dhp bench boundary [--json PATH] [--quick]                (moving embeddings + gradients: tensor vs wire format)
+    dhp bench rebalance [--json PATH] [--quick]               (a mix shifting mid-run: moved pools vs fixed layouts)
 
 Configuration and usage errors exit with status 2 and one line on stderr, no traceback.
 """
@@ -59,6 +60,7 @@ BENCHES = {
     "fine-tuning": "dhp.scripts.bench.fine_tuning",
     "one-gpu": "dhp.scripts.bench.one_gpu",
     "boundary": "dhp.scripts.bench.boundary",
+    "rebalance": "dhp.scripts.bench.rebalance",
 }
 
 

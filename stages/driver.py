@@ -153,7 +153,7 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
     clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)  # learned across restarts
     preemption = Preemption(cfg.training.preempt_grace_s)
     way = None  # how the last fault failed (`_way`)
-    moves: list[str] = []  # pipeline.rebalance: each move's line
+    moves: list[dict[str, Any]] = []  # pipeline.rebalance: each move (`Move.record`)
     trainers = trainers or NewTrainers()
     try:
         with preemption.installed():
@@ -167,7 +167,7 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
                     break
                 except Rebalanced as r:  # checkpointed at a step boundary: resume it in the moved layout
                     print(r.move.line(), flush=True)
-                    moves.append(r.move.line())
+                    moves.append(r.move.record(r.step))
                     cfg, ok = r.config, True
                     save_config(cfg, run_dir / "config.yaml")
                 except Preempted as p:

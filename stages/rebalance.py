@@ -37,6 +37,18 @@ class Move:
     text: Layout
     reason: str
 
+    def record(self, step: int) -> dict[str, Any]:
+        """What RUN_DIR/summary.json's `rebalanced` lists for this move, made after step `step`."""
+        return {
+            "after_step": step,
+            "giver": self.giver,
+            "taker": self.taker,
+            "ranks": self.ranks,
+            "vision_actors": self.vision.num_actors,
+            "text_actors": self.text.num_actors,
+            "line": self.line(),
+        }
+
     def line(self) -> str:
         """The one line a run logs when it moves."""
         return (

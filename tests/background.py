@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ class Background:
         self.name, self._fn, self._after = name, fn, after
         self._value: Any = None
         self._error: BaseException | None = None
+        self.began = self.ended = None  # time.monotonic() at the job's start and end (after `after` ended)
         self._thread = threading.Thread(target=self._run, name=f"background-{name}", daemon=True)
         self._thread.start()
 
@@ -46,9 +48,12 @@ class Background:
         try:
             if self._after is not None:
                 self._after._thread.join()
+            self.began = time.monotonic()
             self._value = self._fn()
         except BaseException as e:  # raised by result(), on the test's thread
             self._error = e
+        finally:
+            self.ended = time.monotonic()
 
     def result(self, timeout_s: float = 3600) -> Any:
         self._thread.join(timeout_s)
@@ -60,12 +65,26 @@ class Background:
 
 
 _JOBS: dict[str, Background] = {}
+_CHOSEN = time.monotonic()  # reset when the session's tests are chosen (`start` of the first job)
 
 
 def start(name: str, fn: Callable[[], Any]) -> None:
     """Job `name` runs `fn()` once every job started before it has ended; starting it again does nothing."""
+    global _CHOSEN
     if name not in _JOBS:
+        if not _JOBS:
+            _CHOSEN = time.monotonic()
         _JOBS[name] = Background(name, fn, after=next(reversed(_JOBS.values()), None))
+
+
+def timeline() -> list[str]:
+    """One line per job: when it began and ended, in seconds after the first job was started."""
+    lines = []
+    for job in _JOBS.values():
+        if job.began is not None:
+            end = f"{job.ended - _CHOSEN:.0f} s ({job.ended - job.began:.0f} s)" if job.ended else "still running"
+            lines.append(f"  {job.name}: {job.began - _CHOSEN:.0f} s -> {end}")
+    return lines
 
 
 def result(name: str, start_early: Callable[[], None]) -> Any:

@@ -15,6 +15,12 @@ from PIL import Image
 
 from tests import background
 
+# One intra-op thread here and in every process the tests start (they inherit the variable; the stage actors set
+# their own): the tests' models are tiny, which one thread computes as fast as two, and OpenMP's two threads
+# spin-wait for each other, burning a core whenever another process holds the other one. A small backward loop
+# beside one busy process: 8.5 s and 10.8 CPU-s on 2 threads, 2.0 s and 2.0 CPU-s on one (docs/testing.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a background job of a non-interactive shell:
@@ -141,6 +147,11 @@ def trainers(ray_session) -> TrainerCache:
 
 
 def pytest_terminal_summary(terminalreporter):
+    jobs = background.timeline()
+    if jobs:
+        terminalreporter.write_line("background jobs, from the start of the tests (tests/background.py):")
+        for line in jobs:
+            terminalreporter.write_line(line)
     if _TRAINERS.built:
         terminalreporter.write_line(f"trainers: {_TRAINERS.built} built, {_TRAINERS.reused} reused (TrainerCache)")
         # a shape built again was let go in between: the order or the cache's size cost those builds

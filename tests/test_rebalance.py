@@ -82,41 +82,26 @@ def test_config_section_is_off_by_default_and_checked():
 
 
 @pytest.mark.slow
-def test_a_run_that_moves_trains_every_sample_once(trainers, tmp_path, capsys):
-    """Threshold and gain 0 with a 2-step cool-down: after step 2 the busier pool takes a rank from the other, the
-    run checkpoints and resumes in the new sizes. 4 steps of 6 are one epoch of the 24 records: each trained once."""
-    from dhp.stages.driver import train
+def test_a_run_whose_mix_shifts_moves_a_rank_to_vision_and_trains_every_sample_once(trainers, tmp_path, capsys):
+    """`dhp bench rebalance --quick` on the shared trainers: 2 text-heavy steps, then 4 vision-heavy ones. The text
+    pool idles after the shift and gives a rank to vision; the run checkpoints and resumes in the new sizes, and its
+    one epoch trains each record exactly once. The fixed layouts train the second part for the comparison."""
+    from dhp.scripts.bench.rebalance import QUICK, run, table
 
-    cfg = load_config(
-        "tiny",
-        [
-            f"output.dir={tmp_path}/runs",
-            "output.name=moved",
-            "output.save_final_checkpoint=false",
-            "output.tensorboard=false",
-            f"data.synthetic.dir={tmp_path}/synth",
-            "data.synthetic.num=24",
-            "data.synthetic.eval_num=0",
-            "training.steps=4",
-            "training.global_batch_size=6",
-            "training.eval_every=0",
-            "training.keep_last=0",
-            *(f"{s}.{k}" for s in ("vision", "text") for k in ("parallelism=none", "degree=1", "num_actors=2")),
-            "vision.num_cpus_per_actor=0.1",
-            "text.num_cpus_per_actor=0.1",
-            "pipeline.rebalance.enabled=true",
-            "pipeline.rebalance.measure_steps=1",
-            "pipeline.rebalance.threshold=0",
-            "pipeline.rebalance.min_gain=0",
-            "pipeline.rebalance.cooldown_steps=2",
-        ],
-    )
-    summary = train(cfg, trainers=trainers)
-    assert len(summary["rebalanced"]) == 1 and "rebalance: 1 rank(s)" in capsys.readouterr().out
-    run = tmp_path / "runs" / "moved"
-    sizes = load_config(str(run / "config.yaml"))
-    assert sorted((sizes.vision.num_actors, sizes.text.num_actors)) == [1, 3]
-    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in rows}) == [1, 2, 3, 4]
+    row = run(QUICK, tmp_path, trainers=trainers)
+    (move,) = row["moves"]
+    assert (move["giver"], move["taker"], move["ranks"]) == ("text", "vision", 1), move
+    assert (move["vision_actors"], move["text_actors"]) == (2, 1)
+    assert move["after_step"] > row["first_part_steps"]  # not before the shift: the first part is text-bound
+    assert "rebalance: 1 rank(s) text -> vision" in capsys.readouterr().out
+    run_dir = tmp_path / "runs" / "moved"
+    sizes = load_config(str(run_dir / "config.yaml"))
+    assert (sizes.vision.num_actors, sizes.text.num_actors) == (2, 1)
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == list(range(1, 7))
     ids = [json.dumps(i) for r in rows for i in r["ids"]]
-    assert len(ids) == 24 and len(set(ids)) == 24
+    records = QUICK["small"] + QUICK["large"]
+    assert len(ids) == records and len(set(ids)) == records
+    assert set(row["fixed_s"]) == {"v1/t2", "v2/t1"} and all(v > 0 for v in row["fixed_s"].values())
+    assert row["moved_large_s"] > 0 and row["after_over_best"] == row["moved_large_s"] / min(row["fixed_s"].values())
+    assert "after the move / best fixed" in table(row)
