@@ -291,18 +291,10 @@ def _wait_for_job_server(head: LocalHead, timeout_s: float) -> None:
             with opener.open(request, timeout=5) as r:
                 # a submission goes through the head node's dashboard agent: the job server answers before the
                 # agent listens, and a submit then fails "No available agent" after 10 s (on a busy machine)
-                if r.status == 200 and _listens(head.ports["agent_http"]):
+                if r.status == 200 and any(x.port == head.ports["agent_http"] for x in head.listeners()):
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass  # not up yet (the job module loads after the dashboard's HTTP server)
         if time.monotonic() > deadline:
             raise TimeoutError(f"the head's job server did not answer within {timeout_s:.0f} s:\n{head.log_tail()}")
         time.sleep(0.5)
-
-
-def _listens(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=2):
-            return True
-    except OSError:
-        return False

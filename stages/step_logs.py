@@ -18,6 +18,11 @@ from typing import Any
 NAMES = ("metrics", "quarantine", "samples")
 
 
+def read(run_dir: Path, name: str = "metrics") -> list[dict[str, Any]]:
+    """The records of RUN_DIR/`name`.jsonl (one of `NAMES`), one per line, in step order."""
+    return [json.loads(line) for line in (run_dir / f"{name}.jsonl").read_text().splitlines()]
+
+
 def lines_before(path: Path, step: int) -> list[str]:
     """JSONL lines of `path` whose `step` is before `step` (what a resumed run keeps)."""
     if step <= 1 or not path.exists():

@@ -65,25 +65,22 @@ class Background:
 
 
 _JOBS: dict[str, Background] = {}
-_CHOSEN = time.monotonic()  # reset when the session's tests are chosen (`start` of the first job)
 
 
 def start(name: str, fn: Callable[[], Any]) -> None:
     """Job `name` runs `fn()` once every job started before it has ended; starting it again does nothing."""
-    global _CHOSEN
     if name not in _JOBS:
-        if not _JOBS:
-            _CHOSEN = time.monotonic()
         _JOBS[name] = Background(name, fn, after=next(reversed(_JOBS.values()), None))
 
 
 def timeline() -> list[str]:
-    """One line per job: when it began and ended, in seconds after the first job was started."""
+    """One line per job: when it began and ended, in seconds after the first job began (it waits on none)."""
+    began = [job for job in _JOBS.values() if job.began is not None]
+    origin = began[0].began if began else 0.0
     lines = []
-    for job in _JOBS.values():
-        if job.began is not None:
-            end = f"{job.ended - _CHOSEN:.0f} s ({job.ended - job.began:.0f} s)" if job.ended else "still running"
-            lines.append(f"  {job.name}: {job.began - _CHOSEN:.0f} s -> {end}")
+    for job in began:
+        end = f"{job.ended - origin:.0f} s ({job.ended - job.began:.0f} s)" if job.ended else "still running"
+        lines.append(f"  {job.name}: {job.began - origin:.0f} s -> {end}")
     return lines
 
 

@@ -83,7 +83,8 @@ def test_config_section_is_off_by_default_and_checked():
 
 @pytest.mark.slow
 def test_a_run_whose_mix_shifts_moves_a_rank_to_vision_and_trains_every_sample_once(trainers, tmp_path, capsys):
-    """`dhp bench rebalance --quick` on the shared trainers: 2 text-heavy steps, then 4 vision-heavy ones. The text
+    """`dhp bench rebalance --quick` on the shared trainers: 2 steps of small photos and a passage, then 4 of large
+    photos. The text
     pool idles after the shift and gives a rank to vision; the run checkpoints and resumes in the new sizes, and its
     one epoch trains each record exactly once. The fixed layouts train the second part for the comparison."""
     from dhp.scripts.bench.rebalance import QUICK, run, table
@@ -92,7 +93,7 @@ def test_a_run_whose_mix_shifts_moves_a_rank_to_vision_and_trains_every_sample_o
     (move,) = row["moves"]
     assert (move["giver"], move["taker"], move["ranks"]) == ("text", "vision", 1), move
     assert (move["vision_actors"], move["text_actors"]) == (2, 1)
-    assert move["after_step"] > row["first_part_steps"]  # not before the shift: the first part is text-bound
+    assert move["after_step"] > row["first_part_steps"]  # not before the shift: no move gains on the first part
     assert "rebalance: 1 rank(s) text -> vision" in capsys.readouterr().out
     run_dir = tmp_path / "runs" / "moved"
     sizes = load_config(str(run_dir / "config.yaml"))

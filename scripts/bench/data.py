@@ -218,6 +218,7 @@ def training_wait(data_dir: Path, out_dir: Path, steps: int) -> dict[str, float]
     """A real tiny `dhp train` (the default layout): the fraction of step time spent waiting for data."""
     from dhp.stages.config import load_config
     from dhp.stages.driver import train
+    from dhp.stages.step_logs import read
 
     cfg = load_config(
         "tiny",
@@ -233,7 +234,7 @@ def training_wait(data_dir: Path, out_dir: Path, steps: int) -> dict[str, float]
         ],
     )
     train(cfg)
-    rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read(out_dir / "run")
     first, rows = rows[0]["data_wait_s"], rows[1:]
     wait = sum(r["data_wait_s"] for r in rows)
     busy = sum(r["step_time_s"] for r in rows)

@@ -50,7 +50,8 @@ POLICY = {"threshold": 0.3, "min_gain": 0.2, "cooldown_steps": 2}
 
 
 def write_mix(root: Path, small: int, large: int) -> tuple[Path, Path]:
-    """The shifting set (`small` text-heavy records, then `large` vision-heavy ones) and its second part alone."""
+    """The shifting set (`small` records of a small photo and a passage, then `large` ones of a large photo) and its
+    second part alone."""
     from PIL import Image
 
     from dhp.scripts.bench.long_tail import shard_photos
@@ -135,10 +136,6 @@ def config(root: Path, name: str, data: Path, steps: int, pools: tuple[int, int]
     return load_config("tiny", overrides)
 
 
-def step_times(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _median(rows: list[dict[str, Any]]) -> float | None:
     return statistics.median(r["step_time_s"] for r in rows) if rows else None
 
@@ -147,13 +144,14 @@ def run(sizes: dict[str, int], root: Path, trainers: Any = None) -> dict[str, An
     """The three runs on the set written under `root`; `trainers`: where the runs' trainers come from (the
     driver's `train` argument; default: new ones)."""
     from dhp.stages.driver import train
+    from dhp.stages.step_logs import read
 
     shifting, second = write_mix(root, sizes["small"], sizes["large"])
     write_model(root)
     small_steps, large_steps = sizes["small"] // GLOBAL_BATCH, sizes["large"] // GLOBAL_BATCH
     cfg = config(root, "moved", shifting, small_steps + large_steps, POOLS["v1/t2"], sizes["measure_steps"])
     summary = train(cfg, trainers=trainers)
-    moved = step_times(root / "runs" / "moved")
+    moved = read(root / "runs" / "moved")
     after = [m["after_step"] for m in summary["rebalanced"]]
     row: dict[str, Any] = {
         "records": {"first_part": sizes["small"], "second_part": sizes["large"]},
@@ -171,7 +169,7 @@ def run(sizes: dict[str, int], root: Path, trainers: Any = None) -> dict[str, An
     for name, pools in POOLS.items():
         label = "fixed-" + name.replace("/", "-")
         train(config(root, label, second, large_steps, pools), trainers=trainers)
-        row["fixed_s"][name] = _median(step_times(root / "runs" / label)[1:])
+        row["fixed_s"][name] = _median(read(root / "runs" / label)[1:])
     best = min(row["fixed_s"], key=row["fixed_s"].get)
     row["best_fixed"] = best
     if row.get("moved_large_s"):
@@ -187,7 +185,7 @@ def table(row: dict[str, Any]) -> str:
 
     moves = "; ".join(m["line"] for m in row["moves"]) or "none"
     lines = [
-        f"shifting mix: {row['first_part_steps']} text-heavy steps, then vision-heavy; moves: {moves}",
+        f"shifting mix: {row['first_part_steps']} steps of small photos, then large ones; moves: {moves}",
         "| run | second part's step s (median) |",
         "|---|---:|",
         f"| moved, before its move | {s(row.get('before_move_s'))} |",

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from dhp.scripts.results import write_json
+from dhp.stages.step_logs import read
 
 KINDS = ("actor", "node", "hang", "preempt", "save")
 SAMPLES = 16  # synthetic training records: with a global batch of 4, an epoch is 4 steps
@@ -159,7 +160,7 @@ class Run:
         return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
     def records(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines()]
+        return read(self.dir)
 
 
 def kill_vision_actor_after_step(run: Run, step: int) -> float:
@@ -183,8 +184,8 @@ class Fault:
 def trained_ids(run_dir: Path) -> dict[int, Counter]:
     """epoch -> how many times each sample id was trained, over every stream (samples.jsonl)."""
     out: dict[int, Counter] = {}
-    for line in (run_dir / "samples.jsonl").read_text().splitlines():
-        for epoch, source in json.loads(line)["ids"]:
+    for record in read(run_dir, "samples"):
+        for epoch, source in record["ids"]:
             out.setdefault(epoch, Counter())[source] += 1
     return out
 
