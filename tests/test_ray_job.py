@@ -69,17 +69,18 @@ def _http_status(url: str, headers: dict[str, str]) -> int:
 
 
 def _submit(args: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, str]:
-    """`ray job submit --no-wait --submission-id ID ARGS`: (the command's outcome, ID). Tried up to three times
-    while the head's dashboard drops the connection before the job exists (it did once, uploading the working dir
-    while the 2-core machine was saturated) or answers that it has no agent yet ("please try again later", once);
-    each try has its own ID, so a retry never meets a half-made job."""
-    for _ in range(3):
+    """`ray job submit --no-wait --submission-id ID ARGS`: (the command's outcome, ID). Tried up to six times, a
+    little longer apart each time (about 1.5 min in all), while the head's dashboard drops the connection before the
+    job exists (it did uploading the working dir while the 2-core machine was saturated, and once refused three tries
+    5 s apart) or answers that it has no agent yet ("please try again later", once); each try has its own ID, so a
+    retry never meets a half-made job."""
+    for attempt in range(6):
         sid = "dhp-test-" + secrets.token_hex(4)
         proc = _ray(["job", "submit", "--no-wait", "--submission-id", sid, *args], env, cwd)
         said = proc.stderr + proc.stdout
         if proc.returncode == 0 or not any(transient in said for transient in TRANSIENT):
             break
-        time.sleep(5)
+        time.sleep(5 * (attempt + 1))
     return proc, sid
 
 
