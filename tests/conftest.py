@@ -65,11 +65,10 @@ class TrainerCache:
 
     `with trainers.use(cfg) as trainer:` gives a trainer of `cfg` at step 0; a test that passes keeps it for the
     next, one that fails shuts it down (its state is not to be trusted). Kept trainers hold their pools'
-    resources, so the largest are shut down when a new one would not fit (`_evict`), and all of them before a
-    test that does not ask for this fixture and is slow (`pytest_runtest_setup` below)."""
+    resources, so the oldest are shut down when a new one would not fit, and all of them before a test that
+    does not ask for this fixture and is slow (`pytest_runtest_setup` below)."""
 
-    # Each kept actor is an idle process of about 0.5 GB (torch, transformers, the tiny model); a new trainer's
-    # actors count too, while it builds.
+    # Each kept actor is an idle process of about 0.5 GB (torch, transformers, the tiny model).
     KEEP_ACTORS = 16
 
     def __init__(self) -> None:
@@ -110,10 +109,6 @@ class TrainerCache:
                 raise
             self.reused += 1
             return trainer
-        # the kept trainers' actors and the new one's together within KEEP_ACTORS: memory, not Ray's CPUs, is what
-        # runs out (a 10-actor parity layout built beside 16 kept actors and a fault run: Ray's OOM killer)
-        while self.kept and self._actors(*self.kept) + cfg.vision.num_actors + cfg.text.num_actors > self.KEEP_ACTORS:
-            self._evict()
         pools = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text))
         self._make_room(pools + data)
         self.builds[pool_shape(cfg)] += 1
@@ -125,31 +120,17 @@ class TrainerCache:
             trainer.shutdown()
             return
         trainer.close_streams()  # idle streams would hold CPUs another test's data needs
-        while self.kept and self._actors(*self.kept, trainer) > self.KEEP_ACTORS:
-            self._evict()
         self.kept.append(trainer)
+        while len(self.kept) > 1 and sum(len(t.vision) + len(t.text) for t in self.kept) > self.KEEP_ACTORS:
+            self.kept.pop(0).shutdown()
 
     def _make_room(self, cpus: float) -> None:
-        """Shut kept trainers down, the largest first, until the shared Ray has `cpus` logical CPUs free (+ 1
-        for the driver's and the data's work)."""
+        """Shut kept trainers down, oldest first, until the shared Ray has `cpus` logical CPUs free (+ 1 for
+        the driver's and the data's work)."""
         import ray
 
         while self.kept and ray.available_resources().get("CPU", 0.0) < cpus + 1.0:
-            self._evict()
-
-    def _evict(self) -> None:
-        """Shut down the kept trainer with the most actors (of those, the least recently used).
-
-        Why the largest, not the oldest: the pool shapes the tests ask for most are small (1-4 actors), the large
-        ones are a parity case or two each. Shutting the oldest down let one 10-actor shape push out every small
-        one, which the next modules then built again (31 builds for 70 reuses in a full run)."""
-        largest = max(self.kept, key=self._actors)  # max keeps the first of equals: the least recently used
-        self.kept.remove(largest)
-        largest.shutdown()
-
-    @staticmethod
-    def _actors(*trainers) -> int:
-        return sum(len(t.vision) + len(t.text) for t in trainers)
+            self.kept.pop(0).shutdown()
 
     def clear(self) -> None:
         while self.kept:

@@ -161,8 +161,8 @@ def test_lora_checkpoint_holds_only_what_trains_and_resumes(parity_setup, ray_se
             f"model.path={ckpt}",
             "training.steps=3",
             "data.microbatch_tokens=1024",
-            "vision.num_cpus_per_actor=0.25",
-            "text.num_cpus_per_actor=0.25",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
         ],
     )
     batches = [GlobalBatch([_microbatch(samples[:2], cfg)], epoch=0)]
@@ -217,8 +217,8 @@ def test_lora_dropout_under_tp_draws_the_one_rank_masks(parity_setup, trainers):
         f"model.path={ckpt}",
         "training.lr=1e-2",
         "data.microbatch_tokens=1024",
-        "vision.num_cpus_per_actor=0.25",
-        "text.num_cpus_per_actor=0.25",
+        "vision.num_cpus_per_actor=0.5",
+        "text.num_cpus_per_actor=0.5",
     ]
     runs = {}
     one_rank = ["text.parallelism=none", "text.num_actors=1", "text.degree=1"]

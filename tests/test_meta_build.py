@@ -144,8 +144,8 @@ def test_random_init_is_the_seeded_model_in_every_layout(request, trainers, layo
         + layout
         + [
             "data.microbatch_tokens=1024",
-            "vision.num_cpus_per_actor=0.25",
-            "text.num_cpus_per_actor=0.25",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
         ]
         + [f"model.name={model}"] * qwen3,
     )

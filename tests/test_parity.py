@@ -152,9 +152,8 @@ LAYOUT_IDS = [
 ]
 
 
-# What `check_parity` reserves per actor: part of the pools' shape (`pool_shape`), as the layout is. The `tiny`
-# preset's quarter CPU, so that a parity layout and a run of the preset with the same actors share kept trainers.
-RESOURCES = ["vision.num_cpus_per_actor=0.25", "text.num_cpus_per_actor=0.25"]
+# What `check_parity` reserves per actor: part of the pools' shape (`pool_shape`), as the layout is.
+RESOURCES = ["vision.num_cpus_per_actor=0.5", "text.num_cpus_per_actor=0.5"]
 
 
 def by_pool_shape(cases: list) -> list:

@@ -58,8 +58,8 @@ def test_deepspeed_zero3_first_loss_equals_dhp(parity_setup, ray_session, tmp_pa
             f"model.path={ckpt}",
             f"data.microbatch_tokens={longest}",
             f"data.max_seq_len={longest}",
-            "vision.num_cpus_per_actor=0.25",
-            "text.num_cpus_per_actor=0.25",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
         ],
     )
     trainer = Trainer(cfg)

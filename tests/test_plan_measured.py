@@ -84,8 +84,8 @@ def test_plan_follows_fine_tuning(deep_setup, trainers, case):
         + [
             f"model.path={ckpt}",
             "data.microbatch_tokens=1024",
-            "vision.num_cpus_per_actor=0.25",
-            "text.num_cpus_per_actor=0.25",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
         ],
     )
     with trainers.use(cfg) as trainer:

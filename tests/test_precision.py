@@ -61,8 +61,8 @@ def test_bf16_checkpoint_builds_in_the_configured_precision(parity_setup, bf16_c
             "data.microbatch_tokens=1024",
             "vision.num_actors=2",
             "text.num_actors=2",
-            "vision.num_cpus_per_actor=0.25",
-            "text.num_cpus_per_actor=0.25",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
         ],
     )
     want = str(precision_of(precision).param_dtype)

@@ -105,8 +105,8 @@ def test_per_part_pools_train_one_model(parity_setup, trainers):
             "text.parallelism=tensor",
             "text.num_actors=4",
             "text.degree=2",
-            "vision.num_cpus_per_actor=0.25",
-            "text.num_cpus_per_actor=0.25",
+            "vision.num_cpus_per_actor=0.5",
+            "text.num_cpus_per_actor=0.5",
         ],
     )
     config = architecture_config("tiny")
