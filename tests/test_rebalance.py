@@ -84,9 +84,9 @@ def test_config_section_is_off_by_default_and_checked():
 @pytest.mark.slow
 def test_a_run_whose_mix_shifts_moves_a_rank_to_vision_and_trains_every_sample_once(trainers, tmp_path, capsys):
     """`dhp bench rebalance --quick` on the shared trainers: 2 steps of small photos and a passage, then 4 of large
-    photos. The text
-    pool idles after the shift and gives a rank to vision; the run checkpoints and resumes in the new sizes, and its
-    one epoch trains each record exactly once. The fixed layouts train the second part for the comparison."""
+    photos. The text pool idles after the shift and gives a rank to vision; the run checkpoints and resumes in the new
+    sizes, and its one epoch trains each record exactly once. The fixed layouts train the second part for the
+    comparison."""
     from dhp.scripts.bench.rebalance import QUICK, run, table
 
     row = run(QUICK, tmp_path, trainers=trainers)
