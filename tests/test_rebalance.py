@@ -93,16 +93,20 @@ def test_a_run_whose_mix_shifts_moves_a_rank_to_vision_and_trains_every_sample_o
     (move,) = row["moves"]
     assert (move["giver"], move["taker"], move["ranks"]) == ("text", "vision", 1), move
     assert (move["vision_actors"], move["text_actors"]) == (2, 1)
-    assert move["after_step"] > row["first_part_steps"]  # not before the shift: no move gains on the first part
+    assert move["after_step"] > row["first_part_steps"]  # not before: the first part is text-bound
     assert "rebalance: 1 rank(s) text -> vision" in capsys.readouterr().out
     run_dir = tmp_path / "runs" / "moved"
     sizes = load_config(str(run_dir / "config.yaml"))
     assert (sizes.vision.num_actors, sizes.text.num_actors) == (2, 1)
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in rows}) == list(range(1, 7))
-    ids = [json.dumps(i) for r in rows for i in r["ids"]]
+    # every record of the one epoch once, none skipped: a skip would pull the next part's records forward
+    assert json.loads((run_dir / "summary.json").read_text())["skipped"]["counts"] == {}
+    ids = [tuple(i) for r in rows for i in r["ids"]]
     records = QUICK["small"] + QUICK["large"]
-    assert len(ids) == records and len(set(ids)) == records
+    assert sorted(ids) == sorted((0, f"{tmp_path / 'shifting.jsonl'}:{n}") for n in range(1, records + 1))
+    first_part = {tuple(i) for r in rows if r["step"] <= row["first_part_steps"] for i in r["ids"]}
+    assert {int(source.rsplit(":", 1)[1]) for _, source in first_part} == set(range(1, QUICK["small"] + 1))
     assert set(row["fixed_s"]) == {"v1/t2", "v2/t1"} and all(v > 0 for v in row["fixed_s"].values())
     assert row["moved_large_s"] > 0 and row["after_over_best"] == row["moved_large_s"] / min(row["fixed_s"].values())
     assert "after the move / best fixed" in table(row)
