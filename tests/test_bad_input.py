@@ -11,6 +11,7 @@ import json
 
 from PIL import Image
 
+from dhp.stages import step_logs
 from dhp.stages.config import load_config
 from dhp.stages.driver import train
 from tests.conftest import write_image
@@ -88,7 +89,7 @@ def test_bad_records_are_skipped_counted_and_quarantined(trainers, tmp_path):
     summary = train(cfg, trainers=trainers)
     run = tmp_path / "runs" / "bad"
 
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = step_logs.read(run)
     assert all(r["epoch"] == 0 for r in records)  # one epoch exactly: every good record once, nothing else
     assert sum(r["samples"] for r in records) == summary["skipped"]["good"] == GOOD
     counts = summary["skipped"]["counts"]

@@ -18,6 +18,7 @@ import torch
 
 from dhp.dataflow.loader import GlobalBatch
 from dhp.dataflow.packing import text_inputs, vision_inputs
+from dhp.stages import step_logs
 from dhp.stages.config import load_config
 from dhp.stages.trainer import Trainer
 from tests.conftest import ONE_GPU_POOLS
@@ -92,7 +93,6 @@ def test_dhp_train_on_one_gpu_learns(tmp_path):
     """The README's main command on CUDA: the default run (tiny model, synthetic data, 100 steps, vision forwards
     pipelined ahead), its pools one rank each sharing the GPU (a multi-rank nccl group needs a GPU per rank),
     bf16 autocast over fp32 master weights. It learns as the CPU default does (tests/test_train_job.py)."""
-    import json
     import os
     import subprocess
     import sys
@@ -110,7 +110,7 @@ def test_dhp_train_on_one_gpu_learns(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("device cuda") == 2, proc.stdout[:2000]  # both pools' ranks on the GPU
-    records = [json.loads(line) for line in (tmp_path / "runs" / "cuda" / "metrics.jsonl").read_text().splitlines()]
+    records = step_logs.read(tmp_path / "runs" / "cuda")
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
     assert len(records) == 100 and last <= first / 2, f"train loss {first:.3f} -> {last:.3f}: did not fall by half"
     assert all(0 < r["mfu"] < 1 for r in records)
@@ -151,10 +151,10 @@ def test_qwen3_vl_2b_trains_videos_on_one_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("device cuda") == 2, proc.stdout[:2000]
     assert "skipped records: none" in proc.stdout, proc.stdout[-2000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = step_logs.read(run)
     assert len(records) == 6 and all(math.isfinite(r["loss"]) for r in records)
     lines = (tmp_path / "synth" / "train.jsonl").read_text().splitlines()
-    steps = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    steps = step_logs.read(run, "samples")
     trained = [src for step in steps for _, src in step["ids"]]
     assert any("video" in json.loads(lines[int(src.rsplit(":", 1)[1]) - 1]) for src in trained)
 

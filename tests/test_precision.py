@@ -13,6 +13,7 @@ import torch
 
 from dhp.dataflow.loader import GlobalBatch
 from dhp.models.precision import PRECISIONS, precision_of
+from dhp.stages import step_logs
 from dhp.stages.boundary import from_wire
 from dhp.stages.config import load_config
 from dhp.stages.stage_worker import _buckets
@@ -119,8 +120,7 @@ def test_bf16_loss_curve_tracks_fp32(trainers, tmp_path):
             ],
         )
         train(cfg, trainers=trainers)
-        rows = (tmp_path / "runs" / precision / "metrics.jsonl").read_text().splitlines()
-        curves[precision] = [json.loads(line)["loss"] for line in rows]
+        curves[precision] = [r["loss"] for r in step_logs.read(tmp_path / "runs" / precision)]
     fp32, bf16 = curves["fp32"], curves["bf16"]
     assert len(fp32) == len(bf16) == STEPS
     gaps = [abs(a - b) / a for a, b in zip(fp32, bf16)]

@@ -29,6 +29,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from dhp.scripts.local_head import Listener, LocalHead, alive, start_head
+from dhp.stages import step_logs
 from dhp.stages.checkpoint_files import verify
 from dhp.stages.config import preset_path
 from tests import background
@@ -195,7 +196,7 @@ def _submit_and_check(head: LocalHead, tmp_path: Path) -> set[Listener]:
     assert "placement: disjoint" in text and text.count("vision rank") == 4
     assert f"step {STEPS}/{STEPS} loss" in text and '"final_loss"' in text, text[-3000:]
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = step_logs.read(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())

@@ -8,6 +8,7 @@ import pytest
 
 from dhp.errors import ConfigError
 from dhp.models.parallel.layouts import make_layout
+from dhp.stages import step_logs
 from dhp.stages.config import RebalanceConfig, load_config
 from dhp.stages.rebalance import decide, sized
 
@@ -98,7 +99,7 @@ def test_a_run_whose_mix_shifts_moves_a_rank_to_vision_and_trains_every_sample_o
     run_dir = tmp_path / "runs" / "moved"
     sizes = load_config(str(run_dir / "config.yaml"))
     assert (sizes.vision.num_actors, sizes.text.num_actors) == (2, 1)
-    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    rows = step_logs.read(run_dir, "samples")
     assert sorted({r["step"] for r in rows}) == list(range(1, 7))
     # every record of the one epoch once, none skipped: a skip would pull the next part's records forward
     assert json.loads((run_dir / "summary.json").read_text())["skipped"]["counts"] == {}

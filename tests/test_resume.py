@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dhp.stages import step_logs
 from dhp.stages.checkpoint_files import MANIFEST, checkpoints, latest_valid
 from dhp.stages.config import load_config
 from dhp.stages.driver import train
@@ -42,7 +43,7 @@ def _cfg(tmp_path, name: str, *extra: str):
 
 
 def _losses(run) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in step_logs.read(run)}
 
 
 def test_resumed_run_equals_uninterrupted_run(trainers, tmp_path):

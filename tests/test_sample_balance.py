@@ -11,6 +11,7 @@ import pytest
 
 from dhp.dataflow.balance import balance_groups, sample_cost
 from dhp.dataflow.packing import pack
+from dhp.stages import step_logs
 
 
 def long_tail(seed: int, n: int) -> tuple[list[int], list[float]]:
@@ -179,8 +180,8 @@ def test_balanced_run_trains_the_same_samples_to_the_same_losses(trainers, tmp_p
         )
         train(cfg, trainers=trainers)
         run = tmp_path / "runs" / f"balance-{balance}"
-        samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        samples = step_logs.read(run, "samples")
+        metrics = step_logs.read(run)
         runs[balance] = ({r["step"]: sorted(map(json.dumps, r["ids"])) for r in samples}, [m["loss"] for m in metrics])
     (ids_off, loss_off), (ids_on, loss_on) = runs["false"], runs["true"]
     assert ids_on == ids_off and sorted(ids_on) == [1, 2]

@@ -26,6 +26,7 @@ from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.storage import filesystem, filesystem_of_all, resolve
 from dhp.dataflow.synth import write_synthetic_dataset
 from dhp.models.architectures import architecture_config
+from dhp.stages import step_logs
 from dhp.stages.config import ConfigError, StorageConfig, load_config
 from dhp.stages.driver import train
 
@@ -273,7 +274,7 @@ def test_training_from_s3_equals_local_and_keeps_credentials_out(trainers, s3_en
     for name, base in (("local", str(dataset)), ("s3", s3)):
         train(_train_cfg(tmp_path, name, f"{base}/train.jsonl", s3_endpoint.url), trainers=trainers)
         run = tmp_path / "runs" / name
-        runs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = step_logs.read(run)
     assert [r["step"] for r in runs["s3"]] == [1, 2]
     assert [r["loss"] for r in runs["s3"]] == [r["loss"] for r in runs["local"]]  # exactly
     assert [r["tokens"] for r in runs["s3"]] == [r["tokens"] for r in runs["local"]]

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+from dhp.stages import step_logs
 from tests import background
 from tests.background import scratch_dir
 
@@ -74,7 +75,7 @@ def test_default_run_learns_and_writes_its_outputs(default_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = out / "runs" / "default"
 
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = step_logs.read(run)
     assert [r["step"] for r in records] == list(range(1, 101))
     for r in records:
         assert REQUIRED <= set(r) and all(math.isfinite(r[k]) for k in REQUIRED)

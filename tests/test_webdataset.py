@@ -23,6 +23,7 @@ from dhp.dataflow.sources import WebDataset, expand_braces, expand_paths, record
 from dhp.dataflow.tokenizer import load_tokenizer
 from dhp.dataflow.webdataset import shard_rows, split_shard
 from dhp.models.architectures import architecture_config
+from dhp.stages import step_logs
 from dhp.stages.config import ConfigError, load_config
 from tests.test_preprocess import expected_ids
 
@@ -330,7 +331,7 @@ def test_training_on_shards_from_s3_equals_local(trainers, s3_endpoint, shard, t
         )
         summary = train(cfg, trainers=trainers)
         run = tmp_path / "runs" / name
-        runs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = step_logs.read(run)
         quarantined = [json.loads(line) for line in (run / "quarantine.jsonl").read_text().splitlines()]
         assert [(q["source"], q["error"]) for q in quarantined] == [(f"{base}/0000.tar", "missing_shard")]
         assert json.loads((run / "summary.json").read_text()) == summary
@@ -372,7 +373,7 @@ def test_resumed_run_on_shards_equals_uninterrupted_run(trainers, shard, tmp_pat
         )
 
     def losses(run: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+        return {r["step"]: r["loss"] for r in step_logs.read(run)}
 
     train(cfg("full"), trainers=trainers)
     full, resumed = tmp_path / "runs" / "full", tmp_path / "runs" / "resumed"
