@@ -7,6 +7,11 @@ first to the cheapest micro-batch it still fits in (LPT under the budget); a sam
 new one. Where that leaves a costlier most-loaded micro-batch than `pack`'s, `pack`'s grouping is kept. Only
 the grouping inside the global batch changes: the same samples, each once, so the data position (the loader's
 state) is what it was.
+
+The micro-batches then go in the order that shortens the pipeline's fill and drain (`pipeline_order`): the text
+pool waits for the first one's vision forward before it starts, and the step ends with the last one's vision
+backward after the text pool is done, so the two with the fewest patches go at the ends. Both ends are then split
+(`split_ends`): the samples with the fewest patches, about a quarter of an end's patches, stand alone outermost.
 """
 
 from __future__ import annotations
@@ -59,12 +64,53 @@ def balance_groups(lengths: list[int], costs: list[float], budget: int, packed: 
     return min((balanced, loaded), key=lambda gs: max((sum(costs[i] for i in g) for g in gs), default=0.0))
 
 
+def pipeline_order(groups: list[list[int]], patches: list[int]) -> list[list[int]]:
+    """`groups` reordered: the one with the fewest patches last (its vision backward is the step's drain, about
+    twice a forward), the one with the next fewest first (its vision forward is the fill), the others between in
+    their order. Ties keep the earlier group first. Fewer than three groups keep their order."""
+    if len(groups) < 3:
+        return list(groups)
+    cheapest = sorted(range(len(groups)), key=lambda g: (sum(patches[i] for i in groups[g]), g))
+    last, first = cheapest[0], cheapest[1]
+    middle = [g for g in range(len(groups)) if g not in (first, last)]
+    return [groups[g] for g in [first, *middle, last]]
+
+
+# The share of an end micro-batch's patches split off to stand alone at the very end: small enough that the
+# fill and drain are a fraction of one micro-batch, and at least one sample.
+END_SHARE = 0.25
+
+
+def _split_smallest(group: list[int], patches: list[int], share: float = END_SHARE) -> tuple[list[int], list[int]]:
+    """`group` in two: its samples with the fewest patches, up to `share` of the group's patches (at least one),
+    and the rest, each in the group's order."""
+    small: list[int] = []
+    for i in sorted(group, key=lambda i: (patches[i], i)):
+        if small and sum(patches[j] for j in small) + patches[i] > share * sum(patches[j] for j in group):
+            break
+        small.append(i)
+    return [i for i in group if i in small], [i for i in group if i not in small]
+
+
+def split_ends(groups: list[list[int]], patches: list[int]) -> list[list[int]]:
+    """`groups` with their first and last split (`_split_smallest`), the small part outermost: the fill and the
+    drain shrink to a fraction of a micro-batch, for one more micro-batch at each end. A group of one sample,
+    and fewer than three groups, stay whole."""
+    if len(groups) < 3:
+        return list(groups)
+    head, *middle, tail = groups
+    head_parts = [p for p in _split_smallest(head, patches) if p]
+    tail_parts = [p for p in reversed(_split_smallest(tail, patches)) if p]
+    return [*head_parts, *middle, *tail_parts]
+
+
 def micro_batches(
     lengths: list[int], patches: list[int], budget: int, packed: bool = False, balanced: bool = False
 ) -> list[list[int]]:
     """The micro-batches a loader makes of one global batch's samples (`lengths` tokens, `patches` vision
     patches each): `pack`'s token grouping, or with `balanced` (`data.balance`) `balance_groups` by
-    `sample_cost`."""
+    `sample_cost`, in `pipeline_order`, with `split_ends`."""
     if not balanced:
         return pack(lengths, budget, packed)
-    return balance_groups(lengths, [sample_cost(t, p) for t, p in zip(lengths, patches)], budget, packed)
+    costs = [sample_cost(t, p) for t, p in zip(lengths, patches)]
+    return split_ends(pipeline_order(balance_groups(lengths, costs, budget, packed), patches), patches)

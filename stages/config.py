@@ -139,8 +139,9 @@ class DataConfig:
     # each sample (flash-attn's varlen kernel if installed, else SDPA per sample); false: right-pad to the longest
     packing: bool = False
     # group each global batch's samples into micro-batches even in predicted cost (text tokens + vision patches,
-    # dataflow/balance.py), each within microbatch_tokens, and deal them to the text replicas by the same cost; the
-    # same samples, each once, so the data position is unchanged. false: grouped by tokens only (packing.pack)
+    # dataflow/balance.py), each within microbatch_tokens, the smallest at the ends so the pipeline fills and drains
+    # fast, and deal them to the text replicas by the same cost; the same samples, each once, so the data position
+    # is unchanged. false: grouped by tokens only (packing.pack)
     balance: bool = False
     preprocess_workers: int = 1  # Ray Data tasks at a time running decode/resize/patchify/tokenize
     preprocess_num_cpus: float = 0.25  # Ray CPU resource per preprocessing worker

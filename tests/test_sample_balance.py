@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dhp.dataflow.balance import balance_groups, sample_cost
+from dhp.dataflow.balance import balance_groups, micro_batches, pipeline_order, sample_cost, split_ends
 from dhp.dataflow.packing import pack
 from dhp.stages import step_logs
 
@@ -26,6 +26,11 @@ def long_tail(seed: int, n: int) -> tuple[list[int], list[float]]:
     return lengths, costs
 
 
+def fits(group: list[int], lengths: list[int], budget: int, packed: bool) -> bool:
+    ls = [lengths[i] for i in group]
+    return (sum(ls) if packed else len(ls) * max(ls)) <= budget
+
+
 def group_costs(groups: list[list[int]], costs: list[float]) -> list[float]:
     return [sum(costs[i] for i in g) for g in groups]
 
@@ -37,9 +42,7 @@ def test_every_sample_once_within_the_budget(seed, packed):
     budget = 4 * max(lengths)
     groups = balance_groups(lengths, costs, budget, packed)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for g in groups:
-        ls = [lengths[i] for i in g]
-        assert (sum(ls) if packed else len(ls) * max(ls)) <= budget
+    assert all(fits(g, lengths, budget, packed) for g in groups)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -58,6 +61,41 @@ def test_costliest_micro_batch_no_worse_than_pack(packed):
 def test_mismatched_costs_are_refused():
     with pytest.raises(ValueError, match="2 lengths but 1 costs"):
         balance_groups([5, 6], [1.0], 100)
+
+
+def test_pipeline_order_puts_the_fewest_patches_at_the_ends():
+    patches = [50, 10, 40, 30, 20]
+    groups = [[0], [1], [2], [3], [4]]
+    # fewest (10) last, next fewest (20) first, the rest in their order
+    assert pipeline_order(groups, patches) == [[4], [0], [2], [3], [1]]
+    assert pipeline_order([[0], [1]], patches) == [[0], [1]]
+    assert pipeline_order([[0, 1], [2], [3, 4]], patches) == [[3, 4], [0, 1], [2]]
+
+
+def test_split_ends_stands_the_smallest_quarter_of_each_end_alone_outermost():
+    patches = [40, 10, 30, 20, 50, 5, 60, 70, 25]
+    groups = [[0, 1, 2], [3, 4], [5, 6, 7, 8]]
+    # head 80 patches: 10 alone (a quarter is 20); tail 160: 5 and 25 (a quarter is 40), the rest before them
+    assert split_ends(groups, patches) == [[1], [0, 2], [3, 4], [6, 7], [5, 8]]
+    assert split_ends([[0], [1, 2], [3]], patches) == [[0], [1, 2], [3]]
+    assert split_ends(groups[:2], patches) == groups[:2]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_balanced_micro_batches_keep_every_sample_once_within_the_budget_with_small_ends(packed):
+    for seed in range(6):
+        lengths, costs = long_tail(seed, 48)
+        patches = [round(c - t) for c, t in zip(costs, lengths)]
+        budget = 4 * max(lengths)
+        groups = micro_batches(lengths, patches, budget, packed, balanced=True)
+        assert sorted(i for g in groups for i in g) == list(range(48))
+        assert all(fits(g, lengths, budget, packed) for g in groups)
+        balanced = balance_groups(lengths, costs, budget, packed)
+        if len(balanced) >= 3:
+            assert len(groups) <= len(balanced) + 2
+            middle = sorted(sum(patches[i] for i in g) for g in balanced)[2:]
+            assert sum(patches[i] for i in groups[0]) < min(middle)
+            assert sum(patches[i] for i in groups[-1]) < min(middle)
 
 
 def encoded_row(n: int, tokens: int, patches: int) -> dict:
