@@ -114,6 +114,16 @@ class TrainerCache:
         self.builds[pool_shape(cfg)] += 1
         return Trainer(cfg, *args, **kwargs)
 
+    def take_alone(self, cfg, *args, **kwargs):
+        """`take`, after shutting down every kept trainer of another pool shape: for a test that times steps, whose
+        actors should have the cores to themselves (idle actors take CPU too)."""
+        from dhp.stages.trainer import pool_shape
+
+        for other in [t for t in self.kept if pool_shape(t.cfg) != pool_shape(cfg)]:
+            self.kept.remove(other)
+            other.shutdown()
+        return self.take(cfg, *args, **kwargs)
+
     def give_back(self, trainer, ok: bool) -> None:
         """Keep `trainer` for a later test if it ended well; shut it down otherwise (its state is not trusted)."""
         if not ok:
