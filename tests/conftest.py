@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,10 @@ class TrainerCache:
 
     # Each kept actor is an idle process of about 0.5 GB (torch, transformers, the tiny model).
     KEEP_ACTORS = 16
+    # A new stage actor while it builds and trains a test's model, and what the test process and the other
+    # processes beside it need on top: a new trainer is built only with that much memory available.
+    ACTOR_BYTES = 800 * 2**20
+    MEMORY_MARGIN = 2 * 2**30
 
     def __init__(self) -> None:
         self.kept: list = []
@@ -110,7 +115,7 @@ class TrainerCache:
             self.reused += 1
             return trainer
         pools = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text))
-        self._make_room(pools + data)
+        self._make_room(pools + data, actors=cfg.vision.num_actors + cfg.text.num_actors)
         self.builds[pool_shape(cfg)] += 1
         return Trainer(cfg, *args, **kwargs)
 
@@ -134,17 +139,35 @@ class TrainerCache:
         while len(self.kept) > 1 and sum(len(t.vision) + len(t.text) for t in self.kept) > self.KEEP_ACTORS:
             self.kept.pop(0).shutdown()
 
-    def _make_room(self, cpus: float) -> None:
+    def _make_room(self, cpus: float, actors: int = 0) -> None:
         """Shut kept trainers down, oldest first, until the shared Ray has `cpus` logical CPUs free (+ 1 for
-        the driver's and the data's work)."""
+        the driver's and the data's work) and the machine the memory of `actors` new stage actors
+        (`ACTOR_BYTES` each, + `MEMORY_MARGIN`): the background runs beside the tests take memory too, and
+        Ray kills workers at 95 % of it."""
         import ray
 
-        while self.kept and ray.available_resources().get("CPU", 0.0) < cpus + 1.0:
+        def short() -> bool:
+            cpus_short = ray.available_resources().get("CPU", 0.0) < cpus + 1.0
+            return cpus_short or memory_available() < actors * self.ACTOR_BYTES + self.MEMORY_MARGIN
+
+        while self.kept and short():
             self.kept.pop(0).shutdown()
+            # the killed actors' processes exit a moment later: wait for their memory before asking again
+            deadline = time.monotonic() + 5.0
+            while short() and time.monotonic() < deadline:
+                time.sleep(0.25)
 
     def clear(self) -> None:
         while self.kept:
             self.kept.pop().shutdown()
+
+
+def memory_available() -> int:
+    """Bytes the kernel can give without swapping (/proc/meminfo's MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
 _TRAINERS = TrainerCache()
