@@ -164,10 +164,12 @@ class TrainerCache:
 
 def memory_available() -> int:
     """Bytes the kernel can give without swapping (/proc/meminfo's MemAvailable)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    from dhp.scripts.bench.ops import meminfo_bytes
+
+    available = meminfo_bytes("MemAvailable")
+    if available is None:
+        raise RuntimeError("/proc/meminfo has no readable MemAvailable line")
+    return available
 
 
 _TRAINERS = TrainerCache()

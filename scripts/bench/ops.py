@@ -499,17 +499,25 @@ def measure_ray(quick: bool) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- profile
 
 
+def meminfo_bytes(field: str) -> int | None:
+    """/proc/meminfo's `field` (e.g. "MemTotal", "MemAvailable") in bytes; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def memory_gib(gpu: bool) -> float:
     if gpu:
         import torch
 
         return torch.cuda.get_device_properties(0).total_memory / 2**30
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024 / 2**30
-    except OSError:
-        pass
+    total = meminfo_bytes("MemTotal")
+    if total is not None:
+        return total / 2**30
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
