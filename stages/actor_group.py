@@ -71,6 +71,16 @@ class DistributedWorker:
         for group in old:
             dist.destroy_process_group(group)
 
+    def leave(self, world_size: int) -> None:
+        """Leave the pool's world (every group of it destroyed); the next `init_process_group` joins one of
+        `world_size` ranks. A reused pool of another size (`ActorGroup.resize`): every rank of the old world
+        leaves; a rank beyond the new one waits as a spare. Destroying gloo groups is local to the rank."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.world_size = world_size
+
     def setup(self) -> None:
         """Work that needs the process groups (model construction in stage workers)."""
 
@@ -110,14 +120,19 @@ class ActorGroup:
         placement: list[tuple[Any, int]] | None = None,
         ledger: CallLedger | None = None,
         tensor_transport: bool = False,
+        spares: int = 0,
     ):
         """`placement`: (placement group, bundle index) per actor (placement.py); None = anywhere. Every call
         made through `actors` is written to `ledger` (which call each rank is in, for the hang report).
         `tensor_transport`: the actors may return tensors through Ray Direct Transport (`pipeline.boundary`);
-        off unless asked, since Ray then runs every call of the actor on a background thread."""
+        off unless asked, since Ray then runs every call of the actor on a background thread. `spares`: actors
+        started beyond the `num_actors` of the world, idle until a `resize` takes them in (ranks after the
+        world's; `placement` then has a place for each)."""
         if num_actors % degree:
             raise ValueError(f"{name}: {num_actors} actors cannot form groups of {degree}")
         self.name, self.degree, self.dp = name, degree, num_actors // degree
+        self.actors: list[TrackedActor] = []
+        self.spares: list[TrackedActor] = []  # started, outside the world until a `resize` takes them in
         self.ledger = ledger if ledger is not None else CallLedger()
         rdt = {"enable_tensor_transport": True} if tensor_transport else {}
         remote_cls = ray.remote(concurrency_groups={"health": 1}, **rdt)(tracked(worker_cls))  # calls mark progress
@@ -138,7 +153,7 @@ class ActorGroup:
                     rank,
                     self.ledger,
                 )
-                for rank in range(num_actors)
+                for rank in range(num_actors + spares)
             ]
             pings = [a.ping.remote() for a in actors]
             ready, _ = ray.wait(pings, num_returns=len(pings), timeout=placement_timeout_s)
@@ -171,6 +186,7 @@ class ActorGroup:
                 flush=True,
             )
             self.actors = start()
+        self.actors, self.spares = self.actors[:num_actors], self.actors[num_actors:]
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
         ray.get([a.setup.remote() for a in self.actors])
@@ -184,6 +200,28 @@ class ActorGroup:
             raise ValueError(f"{self.name}: {len(self.actors)} actors cannot form groups of {degree}")
         self.degree, self.dp = degree, len(self.actors) // degree
 
+    @property
+    def capacity(self) -> int:
+        """The actors this pool has started: those of its world and its idle spares."""
+        return len(self.actors) + len(self.spares)
+
+    def resize(self, num_actors: int, degree: int) -> None:
+        """A world of this pool's first `num_actors` actors (their ranks unchanged), in groups of `degree`: a
+        reused pool of another size. Every rank of the old world leaves it (`DistributedWorker.leave`) and the
+        new world's ranks join a new one; the actors beyond it wait as spares. The same size only regroups.
+        The caller then rebuilds each rank's model (`reconfigure`), whose groups are gone."""
+        if num_actors == len(self.actors):
+            self.regroup(degree)
+            return
+        every = self.actors + self.spares
+        if not 0 < num_actors <= len(every):
+            raise ValueError(f"{self.name}: {num_actors} actors asked of a pool of {len(every)}")
+        ray.get([a.leave.remote(num_actors) for a in every])
+        self.actors, self.spares = every[:num_actors], every[num_actors:]
+        master_addr, master_port = ray.get(self.actors[0].address.remote())
+        ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
+        self.regroup(degree)
+
     def replica(self, i: int) -> list:
         """The actors of data-parallel replica i, in model-parallel rank order."""
         return self.actors[i * self.degree : (i + 1) * self.degree]
@@ -196,9 +234,9 @@ class ActorGroup:
         return ray.get(self.execute_all_async(method, *args, **kwargs))
 
     def shutdown(self) -> None:
-        for actor in self.actors:
+        for actor in self.actors + self.spares:
             ray.kill(actor.handle, no_restart=True)  # a stopped (SIGSTOP) process is killed all the same
-        self.actors = []
+        self.actors, self.spares = [], []
 
 
 class CallLedger:

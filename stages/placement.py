@@ -41,11 +41,14 @@ def _resources(s: StageConfig) -> dict[str, float]:
     return {"CPU": s.num_cpus_per_actor, "GPU": s.num_gpus_per_actor, **s.resources}
 
 
-def place_pools(cfg: Config, timeout_s: float = 300) -> Placement:
-    """Reserve the pools' resources as `cfg.pipeline.placement` says; raises RuntimeError if they never fit."""
+def place_pools(cfg: Config, timeout_s: float = 300, spares: tuple[int, int] = (0, 0)) -> Placement:
+    """Reserve the pools' resources as `cfg.pipeline.placement` says, with room for (vision, text) `spares` actors
+    beyond each pool's `num_actors` (`Trainer`); raises RuntimeError if they never fit."""
     v, t = cfg.vision, cfg.text
     mode = cfg.pipeline.placement_mode
-    plan = mode.groups(PoolRequest(v.num_actors, _resources(v)), PoolRequest(t.num_actors, _resources(t)))
+    plan = mode.groups(
+        PoolRequest(v.num_actors + spares[0], _resources(v)), PoolRequest(t.num_actors + spares[1], _resources(t))
+    )
     groups = [placement_group(bundles, strategy="PACK") for bundles in plan.groups]
     placement = Placement(mode, groups)
     placement.vision = [(groups[g], b) for g, b in plan.vision]
@@ -55,7 +58,8 @@ def place_pools(cfg: Config, timeout_s: float = 300) -> Placement:
         placement.remove()
         raise RuntimeError(
             f"the Ray cluster could not reserve the pools ({mode.name} placement: vision "
-            f"{v.num_actors} x {_resources(v)}, text {t.num_actors} x {_resources(t)}) within {timeout_s:g} s"
+            f"{v.num_actors + spares[0]} x {_resources(v)}, text {t.num_actors + spares[1]} x {_resources(t)}) "
+            f"within {timeout_s:g} s"
         )
     return placement
 

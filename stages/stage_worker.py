@@ -173,6 +173,11 @@ class StageWorker(DistributedWorker):
         self.step_ledger = StepLedger(self.stage, self.rank // self.stage_cfg.degree, self.rank)
         self.setup()
 
+    def leave(self, world_size: int) -> None:
+        """`DistributedWorker.leave`, dropping the model and optimizer built on the groups that go."""
+        self.model = self.optimizer = self.scheduler = None
+        super().leave(world_size)
+
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError
 

@@ -56,21 +56,22 @@ def model_config_of(cfg: Config) -> Any:
     return architecture_config(cfg.model.name, cfg.model.attn_implementation)
 
 
-def pool_shape(cfg: Config) -> tuple:
-    """What fixes a trainer's actors (a trainer of another config with the same shape can take them over:
-    `Trainer.reuse`): per pool its actors and per-actor resources and threads, the placement mode, and whether
-    the boundary uses Ray Direct Transport (an actor option). Not the degree: a reused pool regroups."""
+def actor_kind(cfg: Config) -> tuple:
+    """What fixes a trainer's actors apart from their number (a trainer of another config with actors of the same
+    kind, and enough of them, can take them over: `Trainer.reuse`): per pool the per-actor resources and threads,
+    the placement mode, and whether the boundary uses Ray Direct Transport (an actor option). Not the degree: a
+    reused pool regroups."""
     stages = tuple(
-        (
-            s.num_actors,
-            s.num_cpus_per_actor,
-            s.num_gpus_per_actor,
-            s.torch_threads,
-            tuple(sorted(s.resources.items())),
-        )
+        (s.num_cpus_per_actor, s.num_gpus_per_actor, s.torch_threads, tuple(sorted(s.resources.items())))
         for s in (cfg.vision, cfg.text)
     )
     return stages, cfg.pipeline.placement_mode.name, cfg.pipeline.transport.direct
+
+
+def pool_shape(cfg: Config) -> tuple:
+    """The pools' actors, (vision, text), and their kind (`actor_kind`): a trainer of the same shape is reused
+    with no process started and no world formed again."""
+    return (cfg.vision.num_actors, cfg.text.num_actors), actor_kind(cfg)
 
 
 def preprocess_settings(cfg: Config, image_root: str, train_paths: list[str]) -> PreprocessSettings:
@@ -136,10 +137,13 @@ class Trainer:
         model_config: Any = None,
         clock: StepClock | None = None,
         wait_s: float = 0.0,
+        spares: tuple[int, int] = (0, 0),
     ):
         """`model_config` replaces the one `cfg.model` describes (benchmarks that vary the shape). `clock` gives
         each step its deadline (stages/watchdog.py; kept by the driver across restarts); `wait_s`: how long to
-        wait for the cluster to offer the pools' resources (a rebuild after a fault)."""
+        wait for the cluster to offer the pools' resources (a rebuild after a fault). `spares`: (vision, text)
+        actors started and placed beyond the pools' `num_actors`, idle until a `reuse` for larger pools takes them
+        in (a cache of trainers whose configs differ in pool size: the tests')."""
         self._configure(cfg, model_config, clock)
         check_resources(cfg, wait_s)
         self.ledger = CallLedger()  # which call each stage rank is in (for the hang report)
@@ -150,10 +154,10 @@ class Trainer:
         self.loaders, self.eval_loader = [], None
         self.placement = self.vision = self.text = None  # built below; a failed build kills what it started
         try:
-            self.placement = place_pools(cfg)
+            self.placement = place_pools(cfg, spares=spares)
             started = self._open_streams(train_paths, eval_paths, image_root)
-            self.vision = self._pool("vision", VisionPool, VisionWorker)
-            self.text = self._pool("text", TextPool, TextWorker)
+            self.vision = self._pool("vision", VisionPool, VisionWorker, spares[0])
+            self.text = self._pool("text", TextPool, TextWorker, spares[1])
             # A stream that cannot start (no usable sample, a bad tokenizer) fails here, at start; one that hangs too.
             self.fetch(started, "the data streams' start", self._all_loaders())
             self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
@@ -211,7 +215,7 @@ class Trainer:
         self.eval_loader = loader_cls.remote(eval_paths, seed=None, repeat=False, **evals) if eval_paths else None
         return [loader.start.remote() for loader in self._all_loaders()]
 
-    def _pool(self, stage: str, pool_cls: type, worker_cls: type):
+    def _pool(self, stage: str, pool_cls: type, worker_cls: type, spares: int):
         s, transport = getattr(self.cfg, stage), self.cfg.pipeline.transport
         pool = pool_cls(
             stage,
@@ -225,6 +229,7 @@ class Trainer:
             placement=getattr(self.placement, stage),
             ledger=self.ledger,
             tensor_transport=transport.direct,
+            spares=spares,
         )
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
         pool.transport = transport
@@ -244,28 +249,39 @@ class Trainer:
         """Become a new trainer of `cfg` (step 0) on the actors and process groups this one already has; the
         arguments are the constructor's, new data streams replace the old ones.
 
-        Starting a pool costs a process per rank and its torch and transformers imports (about 5 CPU-s each);
-        a run of another config on pools of the same shape (`pool_shape`: actors, resources, placement) needs
-        none of that, only each rank's model and optimizer built again (and its groups, for another degree).
-        `wait_s` has nothing to wait for (the pools' resources are held). Raises ValueError when the shapes
-        differ."""
-        if pool_shape(cfg) != pool_shape(self.cfg):
-            raise ValueError(f"pools of another shape: {pool_shape(cfg)} vs {pool_shape(self.cfg)}")
+        Starting a pool costs a process per rank and its torch and transformers imports (about 9 CPU-s each on
+        2 cores); a run of another config on actors of the same kind (`actor_kind`: resources, placement) needs
+        none of that, only each rank's model and optimizer built again, and its groups, for another degree or
+        another number of actors (`ActorGroup.resize`: the first of the actors started, the others idle as
+        spares). `wait_s` has nothing to wait for (the pools' resources are held). Raises ValueError when the
+        actors are of another kind or too few (`fits`)."""
+        if not self.fits(cfg):
+            raise ValueError(
+                f"pools of {pool_shape(cfg)} do not fit on {pool_shape(self.cfg)} "
+                f"(capacity: vision {self.vision.capacity}, text {self.text.capacity})"
+            )
         self.close_streams()
         self._configure(cfg, model_config, clock)
         self.ledger.clear()
         for stage, pool in self.pools():
-            pool.regroup(getattr(cfg, stage).degree)
+            pool.resize(getattr(cfg, stage).num_actors, getattr(cfg, stage).degree)
         started = self._open_streams(train_paths, eval_paths, image_root)
         # every rank of both pools at once: a layout's build (and a regroup) runs collectives within its pool
         rebuilt = [a.reconfigure.remote(cfg, self.model_config) for _, pool in self.pools() for a in pool.actors]
         ray.get(rebuilt)
+        self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
         for stage, pool in self.pools():
             pool.layout = stage_layout(cfg, stage, self.model_config)
             pool.transport = cfg.pipeline.transport
             pool.trains = self.fine_tuning.trains(stage)
         self.fetch(started, "the data streams' start", self._all_loaders())
         self.events, self.step, self._backwards, self._eval_batches = [], 0, [], None
+
+    def fits(self, cfg: Config) -> bool:
+        """Whether `reuse(cfg)` can take these pools: actors of the same kind (`actor_kind`) and enough of them."""
+        return actor_kind(cfg) == actor_kind(self.cfg) and all(
+            getattr(cfg, stage).num_actors <= pool.capacity for stage, pool in self.pools()
+        )
 
     def pools(self) -> list[tuple[str, VisionPool | TextPool]]:
         return [("vision", self.vision), ("text", self.text)]

@@ -70,7 +70,7 @@ class TrainerCache:
     does not ask for this fixture and is slow (`pytest_runtest_setup` below)."""
 
     # Each kept actor is an idle process of about 0.5 GB (torch, transformers, the tiny model).
-    KEEP_ACTORS = 16
+    KEEP_ACTORS = 18
     # A new stage actor while it builds and trains a test's model, and what the test process and the other
     # processes beside it need on top: a new trainer is built only with that much memory available.
     ACTOR_BYTES = 800 * 2**20
@@ -95,16 +95,22 @@ class TrainerCache:
             raise
         self.give_back(trainer, ok=True)
 
-    def take(self, cfg, *args, **kwargs):
-        """A trainer of `cfg` at step 0 (`Trainer`'s arguments): a kept one of the same pool shape rebuilt for it,
-        else a new one. `dhp.stages.driver.train(cfg, trainers=...)` takes its trainers here too."""
+    def take(self, cfg, *args, grow: bool = True, **kwargs):
+        """A trainer of `cfg` at step 0 (`Trainer`'s arguments): a kept one rebuilt for it (`Trainer.reuse`), of the
+        same pool shape if there is one, else the smallest with enough actors of the same kind; else a new one.
+        `dhp.stages.driver.train(cfg, trainers=...)` takes its trainers here too.
+
+        `grow`: a new trainer starts as many actors per pool as the largest kept trainer of the same kind has
+        (spares beyond `cfg`'s, `Trainer(spares=)`), which it replaces: the pools of a module's layouts grow to
+        the largest any of them needs, and later layouts of any size take the same actors."""
         from dhp.stages.placement import data_cpus
-        from dhp.stages.trainer import Trainer, pool_shape
+        from dhp.stages.trainer import Trainer, actor_kind, pool_shape
 
         data = data_cpus(cfg) if args else 0.0  # with data paths: the streams' CPUs
-        same = [t for t in self.kept if pool_shape(t.cfg) == pool_shape(cfg)]
-        if same:
-            trainer = same[-1]
+        fitting = [t for t in self.kept if t.fits(cfg)]
+        if fitting:
+            exact = [t for t in fitting if pool_shape(t.cfg) == pool_shape(cfg)]
+            trainer = exact[-1] if exact else min(fitting, key=lambda t: t.vision.capacity + t.text.capacity)
             self.kept.remove(trainer)
             self._make_room(data)
             try:
@@ -114,10 +120,23 @@ class TrainerCache:
                 raise
             self.reused += 1
             return trainer
-        pools = sum(s.num_actors * s.num_cpus_per_actor for s in (cfg.vision, cfg.text))
-        self._make_room(pools + data, actors=cfg.vision.num_actors + cfg.text.num_actors)
+        need = (cfg.vision.num_actors, cfg.text.num_actors)
+        spares = (0, 0)
+        if grow:
+            same_kind = [t for t in self.kept if actor_kind(t.cfg) == actor_kind(cfg)]
+            vision = max([need[0], *(t.vision.capacity for t in same_kind)])
+            text = max([need[1], *(t.text.capacity for t in same_kind)])
+            spares = (vision - need[0], text - need[1])
+            for replaced in same_kind:
+                self.kept.remove(replaced)
+                replaced.shutdown()
+        per_actor = (cfg.vision.num_cpus_per_actor, cfg.text.num_cpus_per_actor)
+        pools = sum((n + extra) * cpus for n, extra, cpus in zip(need, spares, per_actor))
+        self._make_room(pools + data, actors=sum(need) + sum(spares))
+        if spares != (0, 0) and not self._room(pools + data, sum(need) + sum(spares)):
+            spares = (0, 0)  # the machine is short of memory for the spares: only what `cfg` needs
         self.builds[pool_shape(cfg)] += 1
-        return Trainer(cfg, *args, **kwargs)
+        return Trainer(cfg, *args, spares=spares, **kwargs)
 
     def take_alone(self, cfg, *args, **kwargs):
         """`take`, after shutting down every kept trainer of another pool shape: for a test that times steps, whose
@@ -127,7 +146,7 @@ class TrainerCache:
         for other in [t for t in self.kept if pool_shape(t.cfg) != pool_shape(cfg)]:
             self.kept.remove(other)
             other.shutdown()
-        return self.take(cfg, *args, **kwargs)
+        return self.take(cfg, *args, grow=False, **kwargs)
 
     def give_back(self, trainer, ok: bool) -> None:
         """Keep `trainer` for a later test if it ended well; shut it down otherwise (its state is not trusted)."""
@@ -136,7 +155,7 @@ class TrainerCache:
             return
         trainer.close_streams()  # idle streams would hold CPUs another test's data needs
         self.kept.append(trainer)
-        while len(self.kept) > 1 and sum(len(t.vision) + len(t.text) for t in self.kept) > self.KEEP_ACTORS:
+        while len(self.kept) > 1 and sum(t.vision.capacity + t.text.capacity for t in self.kept) > self.KEEP_ACTORS:
             self.kept.pop(0).shutdown()
 
     def _make_room(self, cpus: float, actors: int = 0) -> None:
@@ -144,18 +163,18 @@ class TrainerCache:
         the driver's and the data's work) and the machine the memory of `actors` new stage actors
         (`ACTOR_BYTES` each, + `MEMORY_MARGIN`): the background runs beside the tests take memory too, and
         Ray kills workers at 95 % of it."""
-        import ray
-
-        def short() -> bool:
-            cpus_short = ray.available_resources().get("CPU", 0.0) < cpus + 1.0
-            return cpus_short or memory_available() < actors * self.ACTOR_BYTES + self.MEMORY_MARGIN
-
-        while self.kept and short():
+        while self.kept and not self._room(cpus, actors):
             self.kept.pop(0).shutdown()
             # the killed actors' processes exit a moment later: wait for their memory before asking again
             deadline = time.monotonic() + 5.0
-            while short() and time.monotonic() < deadline:
+            while not self._room(cpus, actors) and time.monotonic() < deadline:
                 time.sleep(0.25)
+
+    def _room(self, cpus: float, actors: int) -> bool:
+        import ray
+
+        cpus_free = ray.available_resources().get("CPU", 0.0) >= cpus + 1.0
+        return cpus_free and memory_available() >= actors * self.ACTOR_BYTES + self.MEMORY_MARGIN
 
     def clear(self) -> None:
         while self.kept:

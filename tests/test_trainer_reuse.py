@@ -1,4 +1,4 @@
-"""Which configs may take over another trainer's actors (`Trainer.reuse`): those whose pools have one shape.
+"""Which configs may take over another trainer's actors (`Trainer.reuse`): those whose actors are of one kind.
 
 The reused trainers themselves are checked by the parity tests, which run through `TrainerCache`
 (tests/conftest.py): a trainer rebuilt on another run's actors must train exactly like the reference.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dhp.stages.config import load_config
-from dhp.stages.trainer import pool_shape
+from dhp.stages.trainer import actor_kind, pool_shape
 
 SP2_TP2 = [
     "vision.parallelism=sequence",
@@ -47,3 +47,19 @@ def test_what_is_built_on_the_actors_keeps_the_shape(other):
 )
 def test_what_fixes_the_actors_changes_the_shape(other):
     assert pool_shape(load_config("tiny", SP2_TP2 + other)) != pool_shape(load_config("tiny", SP2_TP2))
+
+
+@pytest.mark.parametrize(
+    ("other", "same_kind"),
+    [
+        (["vision.num_actors=4"], True),  # more of the same processes: a larger world of them (`resize`)
+        (["vision.num_actors=1", "vision.degree=1", "vision.parallelism=none"], True),
+        (["text.num_cpus_per_actor=0.5"], False),
+        (["text.torch_threads=2"], False),
+        (["pipeline.placement=disjoint"], False),
+    ],
+    ids=["more", "fewer", "cpus", "threads", "placement"],
+)
+def test_the_number_of_actors_is_not_their_kind(other, same_kind):
+    kinds = actor_kind(load_config("tiny", SP2_TP2 + other)), actor_kind(load_config("tiny", SP2_TP2))
+    assert (kinds[0] == kinds[1]) is same_kind
