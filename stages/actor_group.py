@@ -42,22 +42,38 @@ class DistributedWorker:
             self.device = torch.device("cpu")
 
     def address(self) -> tuple[str, int]:
-        """(node IP, port) of the pool's TCPStore, served by this (rank 0) actor on a socket it keeps open."""
-        host = ray.util.get_node_ip_address()
-        self._store_socket = rendezvous.listen(host)
-        return host, self._store_socket.getsockname()[1]
+        """(node IP, port) of the pool's TCPStore, served by this (rank 0) actor on a socket it keeps open for
+        its whole life: the store serves every world the pool forms (`init_process_group`)."""
+        if getattr(self, "_store_socket", None) is None:
+            host = ray.util.get_node_ip_address()
+            self._store_socket = rendezvous.listen(host)
+            self._store_address = host, self._store_socket.getsockname()[1]
+        return self._store_address
 
-    def init_process_group(self, master_addr: str, master_port: int, degree: int = 1, timeout_s: float = 600) -> None:
-        """Join the pool's world, then split it into its model-parallel and data-parallel groups (`pool_ranks`)."""
+    def init_process_group(
+        self, master_addr: str, master_port: int, degree: int = 1, timeout_s: float = 600, world: int = 0
+    ) -> None:
+        """Join the pool's world number `world`, then split it into its model-parallel and data-parallel groups
+        (`pool_ranks`).
+
+        The actor opens one TCPStore (server on rank 0, client elsewhere) for its whole life and each world keys
+        its rendezvous under its own prefix: a second store would take over the first one's socket descriptor
+        (`master_listen_fd`) while the first one's server still runs, and a descriptor number closed by one and
+        reused by the other aborts a rank or hangs a later `new_group`."""
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if rendezvous.is_loopback(master_addr):
             rendezvous.pin_collectives_to_loopback()
-        sock = getattr(self, "_store_socket", None) if self.rank == 0 else None
-        store = rendezvous.store(master_addr, master_port, self.world_size, self.rank, sock, timeout_s)
+        if getattr(self, "_store", None) is None:
+            sock = getattr(self, "_store_socket", None) if self.rank == 0 else None
+            self._store = rendezvous.store(master_addr, master_port, self.world_size, self.rank, sock, timeout_s)
         dist.init_process_group(
-            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
+            backend,
+            store=dist.PrefixStore(f"world{world}/", self._store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
         )
         self.ranks = pool_ranks(self.rank, self.world_size, degree, self.device)
 
@@ -187,6 +203,7 @@ class ActorGroup:
             )
             self.actors = start()
         self.actors, self.spares = self.actors[:num_actors], self.actors[num_actors:]
+        self.worlds = 1  # worlds this pool has formed: each keys its rendezvous apart in the one store
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
         ray.get([a.setup.remote() for a in self.actors])
@@ -218,8 +235,10 @@ class ActorGroup:
             raise ValueError(f"{self.name}: {num_actors} actors asked of a pool of {len(every)}")
         ray.get([a.leave.remote(num_actors) for a in every])
         self.actors, self.spares = every[:num_actors], every[num_actors:]
+        # the same rank 0 serves the store of every world the pool forms
         master_addr, master_port = ray.get(self.actors[0].address.remote())
-        ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
+        world, self.worlds = self.worlds, self.worlds + 1
+        ray.get([a.init_process_group.remote(master_addr, master_port, degree, world=world) for a in self.actors])
         self.regroup(degree)
 
     def replica(self, i: int) -> list:
