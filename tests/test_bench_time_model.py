@@ -5,7 +5,9 @@ The check: this machine's profile is measured right before the steps (`run` with
 profile: `dhp bench ops --quick` sizes), then every configuration of the bench trains and its median step must
 be within `TOLERANCE` of the plan's prediction from that profile. It fails when the step-time model and the
 trainer drift apart. The profile is not the test session's shared one: measured minutes earlier on a shared 2-core
-machine (Ray's workers still booting, another test's processes), it put every ratio 20-30 % off in CI.
+machine (Ray's workers still booting, another test's processes), it put every ratio 20-30 % off in CI. The
+configurations whose ratio is off are measured once more after the machine has been quiet (`wait_quiet`): in CI,
+pools of two ranks that wait for each other in collectives measured 15-30 % slower than predicted, and twice.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from dhp.models.planning.hardware import datasheet, profile
+from dhp.scripts.bench.cpu_load import wait_quiet
 from dhp.scripts.bench.time_model import CONFIGS, MIXED, OVERSUBSCRIBED, TOLERANCE, run, table
 
 CPU_PROFILE = Path(__file__).resolve().parent.parent / "docs" / "results" / "ops_profile_cpu.json"
@@ -40,11 +43,16 @@ def test_plan_predicts_every_measured_step_within_tolerance(trainers):
     # one actor per pool: the plan overlaps them, and so does the trainer
     assert rows["none / none, pipelined"]["predicted_s"] < rows["none / none, serial"]["predicted_s"]
     off = [r["config"] for r in result["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
-    if off:  # another process may have taken a core for a while: profile and those configurations once more
+    if off:
+        # Another process may have taken a core for a while (the table's `others` column says how much): once
+        # the machine is quiet, profile and measure those configurations once more. A machine that never gets
+        # quiet fails the test with the processes that kept it busy.
+        quiet = wait_quiet()
         again = run(None, quick=True, steps=3, configs={k: {**CONFIGS, **MIXED}[k] for k in off}, trainers=trainers)
         off = [r["config"] for r in again["rows"] if abs(r["ratio"] - 1) > TOLERANCE]
         assert not off, (
-            f"predicted / measured outside 1 +- {TOLERANCE} twice: {off}\n{table(result)}\nagain:\n{table(again)}"
+            f"predicted / measured outside 1 +- {TOLERANCE} twice: {off}\n{table(result)}\n"
+            f"before the second try: {quiet}\nagain:\n{table(again)}"
         )
     assert set(OVERSUBSCRIBED).isdisjoint(CONFIGS)
 

@@ -8,8 +8,10 @@ tokens, and a short conversation), each configuration of `CONFIGS` trains a few 
 one-sample micro-batches; the median step after a warm-up step is compared with the plan's prediction for the
 same configuration and workload from a `dhp bench ops` profile of this machine (`--profile`; without it the
 profile is measured first, `--quick` sizes). Rows: measured and predicted seconds, their ratio, the
-predicted parts, and each stage call's measured and predicted seconds. Every ratio must be within
-`TOLERANCE`: tests/test_bench_time_model.py checks it with a profile measured in the same test
+predicted parts, each stage call's measured and predicted seconds, and the cores the rest of the machine used
+while the steps ran (`others_cores`, scripts/bench/cpu_load.py: the plan gives each busy actor a core, and on
+2 cores one other busy process slows a pool whose ranks wait for each other in collectives). Every ratio must
+be within `TOLERANCE`: tests/test_bench_time_model.py checks it with a profile measured in the same test
 session; docs/time_model.md has the numbers.
 
 `MIXED` rows train a global batch of unequal samples instead (images of `MIX` pixels, one per micro-batch, each
@@ -26,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from dhp.scripts.bench.cpu_load import CpuWindow
 from dhp.scripts.results import report
 
 IMAGE = (896, 448)  # pixels: 64 x 32 patches of 14
@@ -141,7 +145,9 @@ def measure_step(
     trainers: Any,
 ) -> dict[str, Any]:
     """Median seconds of `steps` optimizer steps after one warm-up, and the config they ran, on a trainer from
-    `trainers` (`take` / `give_back`: stages/trainer.py `LastTrainer`, or a cache that keeps trainers longer)."""
+    `trainers` (`take` / `give_back`: stages/trainer.py `LastTrainer`, or a cache that keeps trainers longer);
+    `others_cores`: the cores the rest of the machine used meanwhile (processes other than the driver and the
+    trainer's actors, and a hypervisor's steal; None where it cannot tell)."""
     from dhp.stages.config import load_config
 
     length = max(len(one["input_ids"]) for one in (sample if isinstance(sample, list) else [sample]))
@@ -159,15 +165,23 @@ def measure_step(
         ],
     )
     trainer = trainers.take(cfg, model_config=model_config)
+    pids = [os.getpid(), *(w["pid"] for ranks in trainer.where.values() for w in ranks)]
     try:
-        times, calls = timed_steps(
-            trainer, global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp), steps
-        )
+        with CpuWindow(pids) as cpu:
+            times, calls = timed_steps(
+                trainer, global_batches(sample, cfg, model_config, microbatches // trainer.dp, trainer.dp), steps
+            )
     except BaseException:
         trainers.give_back(trainer, ok=False)
         raise
     trainers.give_back(trainer, ok=True)
-    return {"cfg": cfg, "measured_s": statistics.median(times[1:]), "steps_s": times, "calls_s": calls}
+    return {
+        "cfg": cfg,
+        "measured_s": statistics.median(times[1:]),
+        "steps_s": times,
+        "calls_s": calls,
+        "others_cores": cpu.others_cores,
+    }
 
 
 def timed_steps(
@@ -260,6 +274,7 @@ def run(
                             "measured_calls_s": m["calls_s"],
                             "parts_s": p["parts_s"],
                             "bubble_s": p["bubble_s"],
+                            "others_cores": m["others_cores"],
                         }
                     )
                     print(
@@ -292,13 +307,14 @@ def table(result: dict[str, Any]) -> str:
         f"{result['microbatches']} micro-batches of one {result['image_patches']}-patch image + "
         f"{result['text_tokens']} text tokens; profile {result['profile']['name']}",
         "",
-        "| configuration | measured s | predicted s | predicted / measured | busy actors <= cores |",
-        "|---|---:|---:|---:|---|",
+        "| configuration | measured s | predicted s | predicted / measured | busy actors <= cores | others, cores |",
+        "|---|---:|---:|---:|---|---:|",
     ]
     for r in result["rows"]:
+        others = r.get("others_cores")
         lines.append(
             f"| {r['config']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['ratio']:.2f} | "
-            f"{'yes' if r['checked'] else 'no'} |"
+            f"{'yes' if r['checked'] else 'no'} | {'-' if others is None else f'{others:.2f}'} |"
         )
     mixed = next((r["mixed_patches"] for r in result["rows"] if r.get("mixed_patches")), None)
     if mixed:
