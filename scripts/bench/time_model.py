@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dhp.scripts.bench.cpu_load import CpuWindow
+from dhp.scripts.bench.cpu_load import CpuWindow, wait_quiet
 from dhp.scripts.results import report
 
 IMAGE = (896, 448)  # pixels: 64 x 32 patches of 14
@@ -145,9 +145,10 @@ def measure_step(
     trainers: Any,
 ) -> dict[str, Any]:
     """Median seconds of `steps` optimizer steps after one warm-up, and the config they ran, on a trainer from
-    `trainers` (`take` / `give_back`: stages/trainer.py `LastTrainer`, or a cache that keeps trainers longer);
-    `others_cores`: the cores the rest of the machine used meanwhile (processes other than the driver and the
-    trainer's actors, and a hypervisor's steal; None where it cannot tell)."""
+    `trainers` (`take` / `give_back`: stages/trainer.py `LastTrainer`, or a cache that keeps trainers longer),
+    once the machine is quiet (`quiet_before`: how long that took, at most 30 s); `others_cores`: the cores the
+    rest of the machine used meanwhile (processes other than the driver and the trainer's actors, and a
+    hypervisor's steal; None where it cannot tell)."""
     from dhp.stages.config import load_config
 
     length = max(len(one["input_ids"]) for one in (sample if isinstance(sample, list) else [sample]))
@@ -166,6 +167,8 @@ def measure_step(
     )
     trainer = trainers.take(cfg, model_config=model_config)
     pids = [os.getpid(), *(w["pid"] for ranks in trainer.where.values() for w in ranks)]
+    # the processes of a trainer shut down for this one, or of the build, still exit and free memory for a while
+    quiet = wait_quiet(max_s=30.0)
     try:
         with CpuWindow(pids) as cpu:
             times, calls = timed_steps(
@@ -181,6 +184,7 @@ def measure_step(
         "steps_s": times,
         "calls_s": calls,
         "others_cores": cpu.others_cores,
+        "quiet_before": quiet,
     }
 
 
@@ -275,10 +279,14 @@ def run(
                             "parts_s": p["parts_s"],
                             "bubble_s": p["bubble_s"],
                             "others_cores": m["others_cores"],
+                            "quiet_before": m["quiet_before"],
                         }
                     )
+                    others = "-" if m["others_cores"] is None else f"{m['others_cores']:.2f}"
+                    waited = m["quiet_before"]["waited_s"]
                     print(
-                        f"{name}: measured {m['measured_s']:.3f} s, predicted {p['step_s']:.3f} s; calls measured "
+                        f"{name}: measured {m['measured_s']:.3f} s, predicted {p['step_s']:.3f} s (other processes: "
+                        f"{others} cores, after {waited} s waiting for a quiet machine); calls measured "
                         f"{_ms(m['calls_s'])}, predicted {_ms(p['per_call_s'])}",
                         flush=True,
                     )
