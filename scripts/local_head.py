@@ -33,6 +33,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 LOOPBACK = "127.0.0.1"
 # AF_UNIX paths are limited to 107 bytes; Ray puts `session_<date>_<time>_<us>_<pid>/sockets/plasma_store`
@@ -66,39 +67,54 @@ class Listener:
         return ipaddress.ip_address(self.host).is_loopback
 
 
-def _stat(pid: int) -> tuple[str, str, int, int, int] | None:
-    """(name, state, ppid, session, start time) from /proc/PID/stat; None when the process is gone."""
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class ProcStat(NamedTuple):
+    """What dhp reads of one process in /proc/PID/stat."""
+
+    name: str
+    state: str
+    ppid: int
+    session: int
+    start: int  # clock ticks after boot: with the pid, names one process (pids are reused)
+    cpu_s: float  # user + system seconds, all threads
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """/proc/PID/stat of process `pid`; None when the process is gone (or there is no /proc)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-    return name, rest[0], int(rest[1]), int(rest[3]), int(rest[19])
+    cpu_s = (int(rest[11]) + int(rest[12])) / TICKS_PER_S
+    return ProcStat(name, rest[0], int(rest[1]), int(rest[3]), int(rest[19]), cpu_s)
 
 
 def process_tree(root: int) -> dict[int, tuple[int, str]]:
     """pid -> (start time, name) of `root`, its descendants and the rest of its session. Both, because Ray's
     workers keep the session but a job's entrypoint starts a new one (it stays a descendant)."""
-    stats = {int(d.name): _stat(int(d.name)) for d in Path("/proc").iterdir() if d.name.isdigit()}
+    stats = {int(d.name): proc_stat(int(d.name)) for d in Path("/proc").iterdir() if d.name.isdigit()}
     stats = {pid: s for pid, s in stats.items() if s is not None}
     children: dict[int, list[int]] = {}
     for pid, s in stats.items():
-        children.setdefault(s[2], []).append(pid)
-    tree, todo = set(), [root, *(pid for pid, s in stats.items() if s[3] == root)]
+        children.setdefault(s.ppid, []).append(pid)
+    tree, todo = set(), [root, *(pid for pid, s in stats.items() if s.session == root)]
     while todo:
         pid = todo.pop()
         if pid not in tree and pid in stats:
             tree.add(pid)
             todo += children.get(pid, [])
-    return {pid: (stats[pid][4], stats[pid][0]) for pid in tree}
+    return {pid: (stats[pid].start, stats[pid].name) for pid in tree}
 
 
 def alive(procs: dict[int, tuple[int, str]]) -> dict[int, tuple[int, str]]:
     """Those of `procs` still running: same pid and start time (not a reused pid), not a zombie."""
     out = {}
     for pid, (start, name) in procs.items():
-        s = _stat(pid)
-        if s is not None and s[4] == start and s[1] not in ("Z", "X"):
+        s = proc_stat(pid)
+        if s is not None and s.start == start and s.state not in ("Z", "X"):
             out[pid] = (start, name)
     return out
 

@@ -8,13 +8,12 @@ seconds (user + system; the machine's also counts interrupts and the time a hype
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from dhp.scripts.local_head import TICKS_PER_S, proc_stat
 
 
 def machine_busy_s() -> tuple[float, float] | None:
@@ -25,16 +24,13 @@ def machine_busy_s() -> tuple[float, float] | None:
     except OSError:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in first[1:9])
-    return (user + nice + system + irq + softirq + steal) / _HZ, steal / _HZ
+    return (user + nice + system + irq + softirq + steal) / TICKS_PER_S, steal / TICKS_PER_S
 
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) process `pid` has used; 0 when it is gone."""
-    try:
-        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(rest[11]) + int(rest[12])) / _HZ
+    stat = proc_stat(pid)
+    return 0.0 if stat is None else stat.cpu_s
 
 
 @dataclass
@@ -69,16 +65,8 @@ def busiest(seconds: float = 2.0, n: int = 5) -> list[tuple[int, str, float]]:
     """The `n` processes that used the most CPU over the next `seconds`: (pid, name, cores), busiest first."""
 
     def snapshot() -> dict[int, tuple[str, float]]:
-        out = {}
-        for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-            if d.name.isdigit():
-                try:
-                    text = (d / "stat").read_text()
-                except OSError:
-                    continue
-                name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-                out[int(d.name)] = name, (int(rest[11]) + int(rest[12])) / _HZ
-        return out
+        pids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()] if Path("/proc").is_dir() else []
+        return {pid: (s.name, s.cpu_s) for pid, s in ((pid, proc_stat(pid)) for pid in pids) if s is not None}
 
     before = snapshot()
     time.sleep(seconds)
