@@ -10,9 +10,10 @@ same configuration and workload from a `dhp bench ops` profile of this machine (
 profile is measured first, `--quick` sizes). Rows: measured and predicted seconds, their ratio, the
 predicted parts, each stage call's measured and predicted seconds, and the cores the rest of the machine used
 while the steps ran (`others_cores`, scripts/bench/cpu_load.py: the plan gives each busy actor a core, and on
-2 cores one other busy process slows a pool whose ranks wait for each other in collectives). Every ratio must
-be within `TOLERANCE`: tests/test_bench_time_model.py checks it with a profile measured in the same test
-session; docs/time_model.md has the numbers.
+2 cores one other busy process slows a pool whose ranks wait for each other in collectives). `TOLERANCE` is
+how close the plan comes on this project's 2-core machine (docs/time_model.md has the numbers);
+tests/test_bench_time_model.py runs the bench tiny and holds every row within a factor of 2 only, since how
+fast two busy ranks run on two cores differs between machines.
 
 `MIXED` rows train a global batch of unequal samples instead (images of `MIX` pixels, one per micro-batch, each
 with the same conversation) and are predicted by `time_model.step_time_of` from each micro-batch's own sizes, as
