@@ -80,6 +80,11 @@ class TrainerCache:
         self.kept: list = []
         self.reused = 0
         self.builds: collections.Counter = collections.Counter()  # pool shape -> trainers built of it
+        # pool shape -> (the test that built it, why the last kept trainer of that shape went), per build
+        self.history: dict = collections.defaultdict(list)
+        self.let_go: dict = {}  # pool shape -> why its last kept trainer was shut down
+        # test file -> actor kind -> the most (vision, text) actors its `pool_shape` cases ask (`expect`)
+        self.expected: dict = {}
 
     @property
     def built(self) -> int:
@@ -124,18 +129,20 @@ class TrainerCache:
         spares = (0, 0)
         if grow:
             same_kind = [t for t in self.kept if actor_kind(t.cfg) == actor_kind(cfg)]
-            vision = max([need[0], *(t.vision.capacity for t in same_kind)])
-            text = max([need[1], *(t.text.capacity for t in same_kind)])
+            ahead = self.expected.get(_current_test().split("::")[0], {}).get(actor_kind(cfg), (0, 0))
+            vision = max([need[0], ahead[0], *(t.vision.capacity for t in same_kind)])
+            text = max([need[1], ahead[1], *(t.text.capacity for t in same_kind)])
             spares = (vision - need[0], text - need[1])
             for replaced in same_kind:
                 self.kept.remove(replaced)
-                replaced.shutdown()
+                self._shut(replaced, f"replaced by a larger one of its kind in {_current_test()}")
         per_actor = (cfg.vision.num_cpus_per_actor, cfg.text.num_cpus_per_actor)
         pools = sum((n + extra) * cpus for n, extra, cpus in zip(need, spares, per_actor))
         self._make_room(pools + data, actors=sum(need) + sum(spares))
         if spares != (0, 0) and not self._room(pools + data, sum(need) + sum(spares)):
             spares = (0, 0)  # the machine is short of memory for the spares: only what `cfg` needs
         self.builds[pool_shape(cfg)] += 1
+        self.history[pool_shape(cfg)].append((_current_test(), self.let_go.get(pool_shape(cfg), "never kept")))
         return Trainer(cfg, *args, spares=spares, **kwargs)
 
     def take_alone(self, cfg, *args, **kwargs):
@@ -145,7 +152,7 @@ class TrainerCache:
 
         for other in [t for t in self.kept if pool_shape(t.cfg) != pool_shape(cfg)]:
             self.kept.remove(other)
-            other.shutdown()
+            self._shut(other, f"alone for {_current_test()}")
         return self.take(cfg, *args, grow=False, **kwargs)
 
     def give_back(self, trainer, ok: bool) -> None:
@@ -156,7 +163,7 @@ class TrainerCache:
         trainer.close_streams()  # idle streams would hold CPUs another test's data needs
         self.kept.append(trainer)
         while len(self.kept) > 1 and sum(t.vision.capacity + t.text.capacity for t in self.kept) > self.KEEP_ACTORS:
-            self.kept.pop(0).shutdown()
+            self._shut(self.kept.pop(0), f"more than {self.KEEP_ACTORS} actors kept after {_current_test()}")
 
     def _make_room(self, cpus: float, actors: int = 0) -> None:
         """Shut kept trainers down, oldest first, until the shared Ray has `cpus` logical CPUs free (+ 1 for
@@ -164,7 +171,7 @@ class TrainerCache:
         (`ACTOR_BYTES` each, + `MEMORY_MARGIN`): the background runs beside the tests take memory too, and
         Ray kills workers at 95 % of it."""
         while self.kept and not self._room(cpus, actors):
-            self.kept.pop(0).shutdown()
+            self._shut(self.kept.pop(0), f"room for {_current_test()}")
             # the killed actors' processes exit a moment later: wait for their memory before asking again
             deadline = time.monotonic() + 5.0
             while not self._room(cpus, actors) and time.monotonic() < deadline:
@@ -176,9 +183,35 @@ class TrainerCache:
         cpus_free = ray.available_resources().get("CPU", 0.0) >= cpus + 1.0
         return cpus_free and memory_available() >= actors * self.ACTOR_BYTES + self.MEMORY_MARGIN
 
-    def clear(self) -> None:
+    def expect(self, items: list) -> None:
+        """Read the `pool_shape` marks of `items` (test_parity.py `by_pool_shape`): the first trainer a module's
+        cases build starts as many actors per pool as the largest of its cases of that kind needs, so that each
+        later case takes it over instead of building a larger one (a module whose shapes grew in the order of its
+        cases started 28 actors for the 12 its largest shapes need)."""
+        import ast
+
+        for item in items:
+            marker = item.get_closest_marker("pool_shape")
+            if marker is None:
+                continue
+            (vision, text), kind = ast.literal_eval(marker.args[0])
+            kinds = self.expected.setdefault(item.nodeid.split("::")[0], {})
+            v, t = kinds.get(kind, (0, 0))
+            kinds[kind] = (max(v, vision), max(t, text))
+
+    def clear(self, why: str = "the end") -> None:
         while self.kept:
-            self.kept.pop().shutdown()
+            self._shut(self.kept.pop(), why)
+
+    def _shut(self, trainer, why: str) -> None:
+        from dhp.stages.trainer import pool_shape
+
+        self.let_go[pool_shape(trainer.cfg)] = why
+        trainer.shutdown()
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
 
 
 def memory_available() -> int:
@@ -212,13 +245,15 @@ def pytest_terminal_summary(terminalreporter):
         for shape, n in _TRAINERS.builds.most_common():
             if n > 1:
                 terminalreporter.write_line(f"  built {n} times: {shape}")
+                for test, why in _TRAINERS.history[shape]:
+                    terminalreporter.write_line(f"    by {test}; the last one kept went: {why}")
 
 
 def pytest_runtest_setup(item):
     # Kept pools hold the shared Ray's resources (another trainer would wait for them) and memory (a subprocess
     # run or cluster of a slow test needs it); a quick test needs neither.
     if "trainers" not in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is not None:
-        _TRAINERS.clear()
+        _TRAINERS.clear(f"a slow test without it: {item.nodeid}")
 
 
 # One GPU for both pools: one rank each with half of it (a multi-rank nccl group needs a GPU per rank)
@@ -469,6 +504,7 @@ def pytest_collection_modifyitems(config, items):
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     items[:] = kept_trainers_together(items)
+    _TRAINERS.expect(items)
     # the modules that start runs in the background run last: those runs then have the whole session
     early = [i for i in items if hasattr(i.module, "start_early")]
     # ... and after them the tests that time steps against a prediction: by then the background runs are done, so
