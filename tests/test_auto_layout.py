@@ -140,20 +140,35 @@ def _recomputes(cfg) -> tuple[bool, bool]:
     return tuple(ActivationCheckpointing.of(s).recomputes for s in (cfg.vision, cfg.text))
 
 
+def _searched_part(resources: dict) -> dict:
+    """What the search reads of Ray's resources (the placement groups of a run are not part of it)."""
+    return {k: v for k, v in resources.items() if k in ("CPU", "GPU") or k.startswith(("node:", "accelerator_type:"))}
+
+
 @pytest.mark.slow
-def test_dhp_train_with_an_automatic_layout_trains_the_chosen_one(ray_session, tmp_path, capsys):
+def test_dhp_train_with_an_automatic_layout_trains_the_chosen_one(ray_session, tmp_path, capsys, monkeypatch):
     """`dhp train plan.layout=auto` on the session's Ray (no GPUs: the measured CPU profile), the pools' sizes kept
     from the command line: the ranking is printed, the chosen layout trains 2 steps and is the run's config."""
+    from dhp.stages import auto_layout
     from dhp.stages.cli import main as cli_main
     from tests.test_time_model import CPU_PROFILE
 
+    # What the run's search was given and what it chose, recorded as the run calls it: a second search of the CPU
+    # profile's layouts here would take seconds more (the tests above hold the choice itself to `search`)
+    searched, search = [], auto_layout.choose_layout
+
+    def recorded(*args):
+        searched.append((args, search(*args)))
+        return searched[-1][1]
+
+    monkeypatch.setattr(auto_layout, "choose_layout", recorded)
     overrides = [
         "plan.layout=auto",
         f"plan.hardware={CPU_PROFILE}",
         *("vision.num_actors=1", "vision.degree=1", "text.num_actors=1", "text.degree=1"),
         *("training.steps=2", "training.global_batch_size=4", "output.save_final_checkpoint=false"),
         *("output.tensorboard=false", f"output.dir={tmp_path}", "output.name=run"),
-        *(f"data.synthetic.dir={tmp_path / 'synth'}", "data.synthetic.num=16", "data.synthetic.eval_num=0"),
+        *(f"data.synthetic.dir={tmp_path / 'synth'}", "data.synthetic.num=8", "data.synthetic.eval_num=0"),
         *("data.synthetic.video_fraction=0", "output.peak_tflops=1"),
     ]
     assert cli_main(["train", *overrides]) == 0
@@ -161,7 +176,11 @@ def test_dhp_train_with_an_automatic_layout_trains_the_chosen_one(ray_session, t
     assert "layouts of 2 x measured:vm on 1 node (Ray: 16 CPUs; the profile's 2 cores a node)" in out
     kept = "vision.degree=1, vision.num_actors=1, text.degree=1, text.num_actors=1"
     assert f"kept from the command line: {kept} (only the layouts with these values are ranked)" in out
-    chosen, lines = choose_layout(load_config("tiny", overrides), ray_session.cluster_resources(), kept_keys(overrides))
+    # one search: of the config the command line gives, on the resources Ray reports, with the keys it set kept
+    [((cfg, resources, keep), (chosen, lines))] = searched
+    assert cfg.to_dict() == load_config("tiny", overrides).to_dict()
+    assert _searched_part(resources) == _searched_part(ray_session.cluster_resources())
+    assert keep == kept_keys(overrides)
     assert all(line in out for line in lines) and chosen.pipeline.placement == "disjoint"
     run = tmp_path / "run"
     assert load_config(str(run / "config.yaml")).to_dict() == chosen.to_dict()

@@ -2,7 +2,8 @@
 
 A real `dhp train` (in-process, shared Ray) over one epoch of a hand-made set: 48 good records (three of
 them text-only, one with an image far beyond `max_pixels`, which is resized, not skipped) and 12 bad ones,
-each a different way a real dataset goes wrong.
+each a different way a real dataset goes wrong. Two steps of 24: the bad records all come first, so the first
+step's batch holds every skip, and an epoch that ran short would show in the second step's epoch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dhp.stages.config import load_config
 from dhp.stages.driver import train
 from tests.conftest import write_image
 
+BATCH = 24  # GOOD // BATCH steps
 GOOD, BAD_EXPECTED = (
     48,
     {
@@ -77,8 +79,8 @@ def test_bad_records_are_skipped_counted_and_quarantined(trainers, tmp_path):
         [
             f"data.train={tmp_path}/data/train.jsonl",
             "data.max_seq_len=1024",
-            "training.global_batch_size=6",
-            f"training.steps={GOOD // 6}",
+            f"training.global_batch_size={BATCH}",
+            f"training.steps={GOOD // BATCH}",
             "training.eval_every=0",
             "data.shuffle_seed=null",
             f"output.dir={tmp_path}/runs",

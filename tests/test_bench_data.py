@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
 from dhp.stages.cli import main
 
 
-def test_bench_data_quick_writes_its_row(ray_session, tmp_path, capsys):
-    """On the tests' shared Ray (reused, left running), as `dhp bench data` does under a caller's Ray."""
+def test_bench_data_quick_writes_its_row(trainers, tmp_path, capsys, monkeypatch):
+    """On the tests' shared Ray (reused, left running), as `dhp bench data` does under a caller's Ray; its training
+    run takes the tests' kept trainers (`train(cfg, trainers=trainers)`) instead of starting four stage actors."""
+    from dhp.stages import driver
+
+    monkeypatch.setattr(driver, "train", functools.partial(driver.train, trainers=trainers))
     out = tmp_path / "data.json"
     assert main(["bench", "data", "--quick", "--json", str(out)]) == 0
     [row] = json.loads(out.read_text())
