@@ -83,7 +83,7 @@ class TrainerCache:
         # pool shape -> (the test that built it, why the last kept trainer of that shape went), per build
         self.history: dict = collections.defaultdict(list)
         self.let_go: dict = {}  # pool shape -> why its last kept trainer was shut down
-        # test file -> actor kind -> the most (vision, text) actors its `pool_shape` cases ask (`expect`)
+        # test id -> actor kind -> the most (vision, text) actors the `pool_shape` cases from it on ask (`expect`)
         self.expected: dict = {}
 
     @property
@@ -129,7 +129,7 @@ class TrainerCache:
         spares = (0, 0)
         if grow:
             same_kind = [t for t in self.kept if actor_kind(t.cfg) == actor_kind(cfg)]
-            ahead = self.expected.get(_current_test().split("::")[0], {}).get(actor_kind(cfg), (0, 0))
+            ahead = self.expected.get(_current_test(), {}).get(actor_kind(cfg), (0, 0))
             vision = max([need[0], ahead[0], *(t.vision.capacity for t in same_kind)])
             text = max([need[1], ahead[1], *(t.text.capacity for t in same_kind)])
             spares = (vision - need[0], text - need[1])
@@ -184,20 +184,20 @@ class TrainerCache:
         return cpus_free and memory_available() >= actors * self.ACTOR_BYTES + self.MEMORY_MARGIN
 
     def expect(self, items: list) -> None:
-        """Read the `pool_shape` marks of `items` (test_parity.py `by_pool_shape`): the first trainer a module's
-        cases build starts as many actors per pool as the largest of its cases of that kind needs, so that each
-        later case takes it over instead of building a larger one (a module whose shapes grew in the order of its
-        cases started 28 actors for the 12 its largest shapes need)."""
+        """Read the `pool_shape` marks of `items`, in the order they run (test_parity.py `by_pool_shape`): a trainer
+        built for a test starts as many actors per pool as the largest marked case of its kind from that test on
+        needs, so that the later cases take it over instead of building larger ones (test_parity.py's shapes,
+        grown in the order of its cases, started 28 actors in four builds for the 12 its largest need)."""
         import ast
 
-        for item in items:
+        ahead: dict = {}
+        for item in reversed(items):
             marker = item.get_closest_marker("pool_shape")
-            if marker is None:
-                continue
-            (vision, text), kind = ast.literal_eval(marker.args[0])
-            kinds = self.expected.setdefault(item.nodeid.split("::")[0], {})
-            v, t = kinds.get(kind, (0, 0))
-            kinds[kind] = (max(v, vision), max(t, text))
+            if marker is not None:
+                (vision, text), kind = ast.literal_eval(marker.args[0])
+                v, t = ahead.get(kind, (0, 0))
+                ahead = {**ahead, kind: (max(v, vision), max(t, text))}
+            self.expected[item.nodeid] = ahead
 
     def clear(self, why: str = "the end") -> None:
         while self.kept:
@@ -504,13 +504,13 @@ def pytest_collection_modifyitems(config, items):
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     items[:] = kept_trainers_together(items)
-    _TRAINERS.expect(items)
     # the modules that start runs in the background run last: those runs then have the whole session
     early = [i for i in items if hasattr(i.module, "start_early")]
     # ... and after them the tests that time steps against a prediction: by then the background runs are done, so
     # the cores are theirs (beside those runs a check took 3.5x as long and measured contention, then ran again)
     timed = [i for i in items if i.get_closest_marker("times_steps") is not None]
     items[:] = [i for i in items if i not in early and i not in timed] + early + timed
+    _TRAINERS.expect(items)
 
 
 def pytest_collection_finish(session):
