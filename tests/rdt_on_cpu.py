@@ -13,7 +13,9 @@ driver and, through Ray's `worker_process_setup_hook`, in every actor. Each send
 the file named by DHP_TEST_RDT_LOG, so the test can see that the tensors took this path.
 
 `python -m tests.rdt_on_cpu CKPT SAMPLES OUT`: for each layout, one global batch under each boundary (host,
-then the RDT path): the loss, every gradient, and an evaluation loss, saved to OUT with torch.save.
+then the RDT path): the loss, every gradient, and an evaluation loss, saved to OUT with torch.save. Each boundary
+starts its actors once, for the larger layout (SP 2 / TP 2), and rebuilds them for the other (`Trainer.reuse`: one
+vision and one text actor of them form the 1v1t worlds): 8 processes, not 12.
 `python -m tests.rdt_on_cpu --build DIR`: the same on the session's parity model and samples (`parity_setup` in
 tests/conftest.py), built here under DIR; OUT is DIR/out.pt.
 """
@@ -36,9 +38,10 @@ from ray.experimental.rdt.tensor_transport_manager import (
 from tests.test_parity import SP2, TP2
 
 NAME = "DHP_TEST_BYTES"
-LAYOUTS = {  # overrides, each text replica's micro-batches as sample indices (tests/test_parity.py's)
-    "1v1t": ([], [[0], [1], [2]]),  # sample 2 is text-only: an empty vision call
+LAYOUTS = {  # overrides, each text replica's micro-batches as sample indices (tests/test_parity.py's); the
+    # larger first: its actors are rebuilt for the next (`Trainer.reuse`)
     "sp2-tp2": (SP2 + TP2, [[0, 1], [2]]),
+    "1v1t": ([], [[0], [1], [2]]),  # sample 2 is text-only: an empty vision call
 }
 
 
@@ -134,23 +137,27 @@ def main(ckpt: str, samples_path: str, out_path: str) -> None:
     longest = max(s["input_ids"].shape[0] for s in samples)
     out: dict[str, dict[str, Any]] = {}
     try:
-        for name, (overrides, groups) in LAYOUTS.items():
-            for boundary in ("host", "cuda_ipc"):
-                cfg = load_config(
-                    "tiny",
-                    BASE
-                    + overrides
-                    + [
-                        f"model.path={ckpt}",
-                        f"data.microbatch_tokens={longest}",
-                        f"data.max_seq_len={longest}",
-                        "vision.num_cpus_per_actor=0.25",
-                        "text.num_cpus_per_actor=0.25",
-                        f"pipeline.boundary={boundary}",
-                    ],
-                )
-                trainer = Trainer(cfg)
-                try:
+        for boundary in ("host", "cuda_ipc"):  # the RDT path's actors are of another kind (`actor_kind`)
+            trainer = None
+            try:
+                for name, (overrides, groups) in LAYOUTS.items():
+                    cfg = load_config(
+                        "tiny",
+                        BASE
+                        + overrides
+                        + [
+                            f"model.path={ckpt}",
+                            f"data.microbatch_tokens={longest}",
+                            f"data.max_seq_len={longest}",
+                            "vision.num_cpus_per_actor=0.25",
+                            "text.num_cpus_per_actor=0.25",
+                            f"pipeline.boundary={boundary}",
+                        ],
+                    )
+                    if trainer is None:
+                        trainer = Trainer(cfg)
+                    else:  # the same actors, each rank's model and optimizer built again from the checkpoint
+                        trainer.reuse(cfg)
                     batches = [GlobalBatch([_microbatch([samples[i] for i in g], cfg) for g in groups], epoch=0)]
                     loss = trainer.accumulate(batches)
                     ray.get(trainer.vision.sync_grads() + trainer.text.sync_grads())
@@ -158,7 +165,8 @@ def main(ckpt: str, samples_path: str, out_path: str) -> None:
                     shards = trainer.vision.forward_eval(0, mb.vision)
                     evaluated = ray.get(trainer.text.forward_eval(0, mb.text, shards))
                     out[f"{name}/{boundary}"] = {"loss": loss, "eval": evaluated, "grads": collect(trainer, grads=True)}
-                finally:
+            finally:
+                if trainer is not None:
                     trainer.shutdown()
     finally:
         ray.shutdown()

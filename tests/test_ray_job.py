@@ -3,10 +3,11 @@
 The head is started here (scripts/local_head.py): bound to 127.0.0.1 with its own ports, temp dir and
 token (token auth on), and at the end exactly that head is stopped, never `ray stop` (which would stop
 every Ray on the machine). The first job trains the hybrid layout (vision SP2 x DP2, text TP2 x DP2, disjoint
-placement, traced) for a few steps through the real loader (per-rank patch shards) and exports; its config
-file exists only in the shipped working dir. A second job, the default layout, is stopped with `ray job stop`
-mid-run: it must checkpoint and say where (preemption). Both run in the background when the session's tests are
-chosen (tests/background.py), with their checks; the test raises what they raised and checks the head's end.
+placement, traced) for two steps through the real loader (per-rank patch shards) and exports; its config
+file exists only in the shipped working dir. A second job, one vision and one text actor and no evaluation stream
+(what it checks does not depend on the layout), is stopped with `ray job stop` mid-run: it must checkpoint and say
+where (preemption). Both run in the background when the session's tests are chosen (tests/background.py), with
+their checks; the test raises what they raised and checks the head's end.
 """
 
 from __future__ import annotations
@@ -51,7 +52,15 @@ HYBRID = [
     "pipeline.placement=disjoint",
     "pipeline.trace=true",
 ]
-STEPS = 4
+ONE_PER_POOL = [
+    "vision.parallelism=none",
+    "vision.num_actors=1",
+    "vision.degree=1",
+    "text.parallelism=none",
+    "text.num_actors=1",
+    "text.degree=1",
+]
+STEPS = 2  # per step: every stage call of both pools in the trace, an optimizer step per actor
 # In the background at nice 10 beside the other tests on a 2-core machine; a job alone takes about a minute
 JOB_TIMEOUT_S = 600
 HEAD_TIMEOUT_S = 240
@@ -244,17 +253,18 @@ def _stop_and_check(head: LocalHead, tmp_path: Path) -> None:
     job_dir.mkdir()
     shutil.copy(preset_path("tiny"), job_dir / "my_run.yaml")
     # Ray's job supervisor waits 3 s between SIGTERM and SIGKILL unless told otherwise (docs/training.md).
+    # One actor per pool: the preemption is the driver's (stages/preemption.py), whatever the layout.
     runtime_env = {
         "env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_JOB_STOP_WAIT_TIME_S": "120"}
     }
     run_dir = tmp_path / "runs" / "stopped"
     overrides = [
+        *ONE_PER_POOL,
         "training.steps=200",
         "training.global_batch_size=4",
         "training.eval_every=0",
-        "training.eval_batches=1",
         "data.synthetic.num=32",
-        "data.synthetic.eval_num=4",
+        "data.synthetic.eval_num=0",  # no evaluation stream: a preempted run never evaluates
         f"data.synthetic.dir={tmp_path}/synth",
         f"output.dir={tmp_path}/runs",
         "output.name=stopped",
