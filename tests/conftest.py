@@ -24,6 +24,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each Ray the tests start (the session's, and every `dhp train` or bench subprocess's own) would start workers as
+# soon as its first driver connects, before anything asks for one; the tests' actors and tasks start their own, so
+# those idle processes only import Ray and exit with it (2-3 per start, about 3.5 CPU-s each, docs/testing.md).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a background job of a non-interactive shell:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGINT still stops it, the session's Ray shut down
 
@@ -531,12 +535,17 @@ def pytest_sessionfinish(session):
 
 
 def kept_trainers_together(items: list) -> list:
-    """`items` with the modules whose tests take `trainers` run one after another, from the first one's place,
+    """`items` with the modules whose tests take `trainers` run one after another, after every other module,
     and their slow tests that do not take it after all of them.
 
     A slow test without the fixture shuts the kept trainers down (`pytest_runtest_setup`), so in the plain
     file order every module rebuilt the pools the one before had kept (31 builds for 23 reuses). Each module's
-    own tests keep their order; only modules and those clearing tests move."""
+    own tests keep their order; only modules and those clearing tests move.
+
+    Why after the others: most other tests keep one core busy, a trainer's actors and driver both; run first,
+    those tests leave the background runs (tests/background.py) the other core, and the trainers' tests end the
+    session with both in use. The other way round, a full run's last 10 minutes, after the background runs,
+    kept 1.4 of the 2 cores busy (docs/testing.md)."""
 
     def takes(item) -> bool:
         return "trainers" in getattr(item, "fixturenames", ())
@@ -546,13 +555,8 @@ def kept_trainers_together(items: list) -> list:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     users = [m for m, its in modules.items() if any(takes(i) for i in its)]
     clearing = [i for m in users for i in modules[m] if not takes(i) and i.get_closest_marker("slow") is not None]
-    out = []
-    for module, its in modules.items():
-        if module not in users:
-            out += its
-        elif module == users[0]:
-            out += [i for m in users for i in shapes_together(modules[m]) if i not in clearing] + clearing
-    return out
+    out = [i for module, its in modules.items() if module not in users for i in its]
+    return out + [i for m in users for i in shapes_together(modules[m]) if i not in clearing] + clearing
 
 
 def shapes_together(items: list) -> list:
