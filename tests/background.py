@@ -4,7 +4,8 @@ Why: the full tier leaves the two cores idle a fifth of its time (Ray starting, 
 the bubbles of one-thread actors), and some modules' checks read nothing but finished subprocess runs that no
 other test touches: `tests/test_faults.py` (ten `dhp train` runs), `tests/test_train_job.py` (the default run),
 `tests/test_ray_job.py` (two Ray Jobs on a head of its own), `tests/test_gpu_bundle.py` (the bundle's build),
-`tests/test_bench_peers.py` (the quick peers bench), `tests/test_boundary_wire.py` (the Ray Direct Transport run). A
+`tests/test_bench_peers.py` (the quick peers bench), `tests/test_boundary_wire.py` (the Ray Direct Transport run),
+`tests/test_bench_pipeline.py` and `tests/test_bench_fine_tuning.py` (their quick benches). A
 module that defines `start_early(out: Path, fixtures: set[str])` has it called once the session's tests are chosen
 (`pytest_collection_finish` in conftest.py) and its tests run last; the function starts jobs (`start`) and the
 module's fixtures or tests wait on their results (`result`).

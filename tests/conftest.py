@@ -52,8 +52,9 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def quick_ops_profile(ray_session, tmp_path_factory):
-    """`dhp bench ops --quick` of this machine, measured once per session (about 25 s): the profile JSON's path
-    (its run reuses the session's Ray and leaves it running)."""
+    """`dhp bench ops --quick` of this machine, measured once per session (about 25 s) by the first test marked
+    `measures_speed` that asks for it, after the background runs: the profile JSON's path (its run reuses the
+    session's Ray and leaves it running)."""
     import argparse
 
     from dhp.scripts.bench.ops import main
@@ -510,9 +511,10 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept_trainers_together(items)
     # the modules that start runs in the background run last: those runs then have the whole session
     early = [i for i in items if hasattr(i.module, "start_early")]
-    # ... and after them the tests that time steps against a prediction: by then the background runs are done, so
-    # the cores are theirs (beside those runs a check took 3.5x as long and measured contention, then ran again)
-    timed = [i for i in items if i.get_closest_marker("times_steps") is not None]
+    # ... and after them the tests that measure the machine's speed: by then the background runs are done, so the
+    # cores are theirs (beside those runs a step-time check took 3.5x as long and measured contention, and the ops
+    # profile once read a ZeRO-3 cost per unit of 0: its two medians' difference lost in the noise)
+    timed = [i for i in items if i.get_closest_marker("measures_speed") is not None]
     items[:] = [i for i in items if i not in early and i not in timed] + early + timed
     _TRAINERS.expect(items)
 

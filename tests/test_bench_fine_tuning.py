@@ -1,17 +1,46 @@
 """`dhp bench fine-tuning --quick`: it runs every mode and its byte counts say what each mode holds (no timing
-is asserted)."""
+is asserted). The bench is a `dhp bench fine-tuning` subprocess with its own local Ray, started in the background
+when the session's tests are chosen (tests/background.py)."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
-from dhp.scripts.bench.fine_tuning import MODES, main
+import pytest
+
+from dhp.scripts.bench.fine_tuning import MODES
+from tests import background
+from tests.background import scratch_dir
+
+pytestmark = pytest.mark.slow  # a subprocess bench with its own Ray
 
 
-def test_bench_fine_tuning_quick_rows_hold_what_each_mode_keeps(ray_session, tmp_path, capsys):
-    out = tmp_path / "ft.json"
-    assert main(argparse.Namespace(json=str(out), quick=True)) == 0
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """The quick bench, in the background (tests/background.py)."""
+    if "quick" in fixtures:
+        background.start("bench fine-tuning: quick", lambda: _bench(out / "ft.json"))
+
+
+def _bench(path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    command = [sys.executable, "-m", "dhp.stages.cli", "bench", "fine-tuning", "--quick", "--json", str(path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=1800), path
+
+
+@pytest.fixture(scope="module")
+def quick() -> tuple[subprocess.CompletedProcess, Path]:
+    def start() -> None:
+        start_early(scratch_dir("bench_fine_tuning"), {"quick"})
+
+    proc, path = background.result("bench fine-tuning: quick", start)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc, path
+
+
+def test_bench_fine_tuning_quick_rows_hold_what_each_mode_keeps(quick):
+    proc, out = quick
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == list(MODES)
 
@@ -30,4 +59,4 @@ def test_bench_fine_tuning_quick_rows_hold_what_each_mode_keeps(ray_session, tmp
     lora = worst("LoRA r16", "text", "grads")  # the factors only: a few % of the base
     assert 0 < lora < worst("all", "text", "grads") / 10 and worst("LoRA r16", "text", "optimizer") == 2 * lora
     assert worst("LoRA r16", "text", "params") == worst("all", "text", "params") + lora
-    assert "| frozen ViT |" in capsys.readouterr().out
+    assert "| frozen ViT |" in proc.stdout

@@ -31,10 +31,12 @@ RATES = (
 
 @pytest.fixture(scope="module")
 def profile(quick_ops_profile):
-    """The session's one quick run (conftest), on the session's Ray."""
+    """The session's one quick run (conftest), on the session's Ray, after the background runs (the tests that ask
+    for it are marked `measures_speed`: beside those runs its rates are the contention's)."""
     return json.loads(quick_ops_profile.read_text())
 
 
+@pytest.mark.measures_speed
 def test_profile_has_every_field_measured(profile):
     assert set(profile) == {key for key, _ in FIELDS}
     assert profile["kind"] == "cpu" and profile["quick"] is True and profile["threads"] == 1
@@ -53,6 +55,7 @@ def test_profile_has_every_field_measured(profile):
     assert all(isinstance(n, str) for n in profile["notes"]) and profile["notes"]
 
 
+@pytest.mark.measures_speed
 def test_matmul_by_size_is_sorted_and_ends_with_the_headline(profile):
     sizes = [n for n, _ in profile["matmul_by_size"]]
     assert sizes == sorted(sizes) == list(CPU_MATMUL_SIZES)

@@ -1,19 +1,25 @@
 """`dhp bench pipeline --quick`: the rows' schema, the traces beside the JSON, the scenario planning.
 
 Timing goals are never asserted (a shared 2-core machine makes them noise); the JSON carries them as flags.
-The benchmark starts its own local Ray unless one is already running in this process (then it reuses it
-and leaves it running), so this module works whether or not an earlier test started the session's Ray.
+Both bench runs (`--quick`, `--mix long-tail --quick`) are `dhp bench pipeline` subprocesses, each with its own
+local Ray, started in the background when the session's tests are chosen (tests/background.py); the fixtures wait
+for their JSON.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from dhp.scripts.bench import pipeline as bench
 from dhp.stages.cli import main as cli_main
+from tests import background
+from tests.background import scratch_dir
 
 SCENARIOS = ["balanced", "vision_heavy", "text_heavy"]
 REQUIRED = {"scenario", "vision_s", "text_s", "serial_step_s", "pipelined_step_s", "driver_overhead_ms"}
@@ -36,12 +42,34 @@ FRACTIONS = {f"{mode}_{k}" for mode in ("serial", "pipelined") for k in ("vision
 
 pytestmark = pytest.mark.slow  # the bench run once for the module: minutes on 2 cores
 
+RUNS = {"quick": ("pipeline.json", []), "long_tail": ("long_tail.json", ["--mix", "long-tail"])}
+
+
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """Each bench run the chosen tests ask for, in the background (tests/background.py)."""
+    for name in RUNS.keys() & fixtures:
+        background.start(f"bench pipeline: {name}", lambda name=name: _bench(out, name))
+
+
+def _bench(out: Path, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    json_name, args = RUNS[name]
+    path = out / json_name
+    command = [sys.executable, "-m", "dhp.stages.cli", "bench", "pipeline", *args, "--quick", "--json", str(path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=1800), path
+
+
+def _early(name: str) -> tuple[int, Path, list]:
+    def start() -> None:
+        start_early(scratch_dir("bench_pipeline"), {name})
+
+    proc, path = background.result(f"bench pipeline: {name}", start)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.returncode, path, json.loads(path.read_text())
+
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "pipeline.json"
-    rc = cli_main(["bench", "pipeline", "--quick", "--json", str(out)])
-    return rc, out, json.loads(out.read_text())
+def quick():
+    return _early("quick")
 
 
 def test_rows(quick):
@@ -114,10 +142,9 @@ def test_bad_arguments_exit_2(capsys):
 
 
 @pytest.fixture(scope="module")
-def long_tail(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "long_tail.json"
-    rc = cli_main(["bench", "pipeline", "--mix", "long-tail", "--quick", "--json", str(out)])
-    return rc, json.loads(out.read_text())
+def long_tail():
+    rc, _, rows = _early("long_tail")
+    return rc, rows
 
 
 def test_long_tail_rows_off_then_on(long_tail):

@@ -1,14 +1,14 @@
-"""`dhp bench time-model`: the bench runs and its rows say what they should, the plan is not grossly off the
-steps measured here, and the profile curves the plan relies on read as documented.
+"""`dhp bench time-model`: the bench runs and its rows say what they should, the plan is not grossly off the steps
+measured here, and the profile curves the plan relies on read as documented.
 
-The bench, tiny: this machine's profile is measured right before the steps (`run` without a profile: `dhp bench
-ops --quick` sizes), then five of the bench's configurations train (one actor per pool serial and pipelined,
-vision and text tensor parallel, ZeRO-3 in both pools, a mix of image sizes under sequence parallelism) and
-every median step must be within a factor `GROSS` of the plan's prediction from that profile: a plan that
-forgot a call, a pool or a step's optimizer, or counted one twice, falls outside it. How close the plan comes
-is the bench's own result (docs/time_model.md, from `dhp bench time-model`), not a wall-clock assertion: on one
-2-core CI machine the rows with two ranks in one pool read 0.63-0.79 in two runs, with the rest of the machine
-idle (`others, cores` 0.1), while this project's 2-core machine reads 0.86-1.12 for every row.
+The bench, tiny: this machine's profile is measured right before the steps (the session's `dhp bench ops --quick`
+run, `quick_ops_profile`, once the background runs are done), then five of the bench's configurations train (one
+actor per pool serial and pipelined, vision and text tensor parallel, ZeRO-3 in both pools, a mix of image sizes
+under sequence parallelism) and every median step must be within a factor `GROSS` of the plan's prediction from that
+profile: a plan that forgot a call, a pool or a step's optimizer, or counted one twice, falls outside it. How close
+the plan comes is the bench's own result (docs/time_model.md, from `dhp bench time-model`), not a wall-clock
+assertion: on one 2-core CI machine the rows with two ranks in one pool read 0.63-0.79 in two runs, with the rest of
+the machine idle (`others, cores` 0.1), while this project's 2-core machine reads 0.86-1.12 for every row.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ CHECKED = [
 GROSS = 2.0
 
 
-@pytest.mark.times_steps
-def test_plan_is_within_a_factor_of_two_of_every_measured_step(trainers):
+@pytest.mark.measures_speed
+def test_plan_is_within_a_factor_of_two_of_every_measured_step(trainers, quick_ops_profile):
     # each configuration's actors alone: no idle kept trainer beside them
     trainers = SimpleNamespace(take=trainers.take_alone, give_back=trainers.give_back)
     configs = {k: {**CONFIGS, **MIXED}[k] for k in CHECKED}
-    result = run(None, quick=True, steps=3, configs=configs, trainers=trainers)
+    result = run(str(quick_ops_profile), quick=True, steps=3, configs=configs, trainers=trainers)
     assert [r["config"] for r in result["rows"]] == CHECKED
     assert len(set(result["rows"][-1]["mixed_patches"])) == 3  # a global batch of unequal images
     for r in result["rows"]:

@@ -46,8 +46,9 @@ GLOBAL_BATCH = 4  # two text replicas split it, then one
 POOLS = {"v1/t2": (1, 2), "v2/t1": (2, 1)}
 # records of each part, and the steps `pipeline.rebalance` measures before it may move: a move on a busy-fraction
 # gap of 0.3 that it predicts to cut the busiest pool's time by 20 %, not within 2 steps of the start
-FULL = {"small": 16, "large": 40, "measure_steps": 2}  # 4 steps, then 10
-QUICK = {"small": 8, "large": 16, "measure_steps": 1}  # 2 steps, then 4
+# `fixed_steps`: the steps of each fixed layout's run (its first one a warm-up the median leaves out)
+FULL = {"small": 16, "large": 40, "measure_steps": 2, "fixed_steps": 10}  # 4 steps, then 10
+QUICK = {"small": 8, "large": 16, "measure_steps": 1, "fixed_steps": 2}  # 2 steps, then 4; the fixed runs 2
 POLICY = {"threshold": 0.3, "min_gain": 0.2, "cooldown_steps": 2}
 
 
@@ -170,7 +171,7 @@ def run(sizes: dict[str, int], root: Path, trainers: Any = None) -> dict[str, An
     row["fixed_s"] = {}
     for name, pools in POOLS.items():
         label = "fixed-" + name.replace("/", "-")
-        train(config(root, label, second, large_steps, pools), trainers=trainers)
+        train(config(root, label, second, sizes["fixed_steps"], pools), trainers=trainers)
         row["fixed_s"][name] = _median(read(root / "runs" / label)[1:])
     best = min(row["fixed_s"], key=row["fixed_s"].get)
     row["best_fixed"] = best
@@ -221,4 +222,4 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("rebalance", help="a mix that shifts mid-run: pools that move vs fixed layouts")
     p.add_argument("--json", default=None, help="write the row here")
-    p.add_argument("--quick", action="store_true", help="2 + 4 steps (for tests)")
+    p.add_argument("--quick", action="store_true", help="2 + 4 steps, the fixed layouts 2 (for tests)")
