@@ -537,17 +537,16 @@ def pytest_sessionfinish(session):
 
 
 def kept_trainers_together(items: list) -> list:
-    """`items` with the modules whose tests take `trainers` run one after another, after every other module,
+    """`items` with the modules whose tests take `trainers` run one after another, from the first one's place,
     and their slow tests that do not take it after all of them.
 
     A slow test without the fixture shuts the kept trainers down (`pytest_runtest_setup`), so in the plain
     file order every module rebuilt the pools the one before had kept (31 builds for 23 reuses). Each module's
     own tests keep their order; only modules and those clearing tests move.
 
-    Why after the others: most other tests keep one core busy, a trainer's actors and driver both; run first,
-    those tests leave the background runs (tests/background.py) the other core, and the trainers' tests end the
-    session with both in use. The other way round, a full run's last 10 minutes, after the background runs,
-    kept 1.4 of the 2 cores busy (docs/testing.md)."""
+    Why first: the background queue's heaviest jobs in memory come after the fault runs, and beside the trainers'
+    kept pools (up to `KEEP_ACTORS` idle actors) a Ray Job's eight actors and head took the machine to 93 % of its
+    24 GB, where Ray killed a test's workers; with the trainers' tests first, those jobs run beside the others."""
 
     def takes(item) -> bool:
         return "trainers" in getattr(item, "fixturenames", ())
@@ -557,8 +556,13 @@ def kept_trainers_together(items: list) -> list:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     users = [m for m, its in modules.items() if any(takes(i) for i in its)]
     clearing = [i for m in users for i in modules[m] if not takes(i) and i.get_closest_marker("slow") is not None]
-    out = [i for module, its in modules.items() if module not in users for i in its]
-    return out + [i for m in users for i in shapes_together(modules[m]) if i not in clearing] + clearing
+    out = []
+    for module, its in modules.items():
+        if module not in users:
+            out += its
+        elif module == users[0]:
+            out += [i for m in users for i in shapes_together(modules[m]) if i not in clearing] + clearing
+    return out
 
 
 def shapes_together(items: list) -> list:

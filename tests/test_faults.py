@@ -84,8 +84,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 # Its runs go first in the background queue: two `dhp train` runs at once take the most memory of its jobs, and the
-# tests at the start of the session keep no pools beside them (the trainers' tests come last; beside the parity
-# tests' kept pools, the machine's 24 GB once came within 2 GB of full)
+# tests at the start of the session keep few pools beside them (later, beside the parity tests' kept pools, the
+# machine's 24 GB came within 2 GB of full)
 BACKGROUND_FIRST = True
 
 
