@@ -11,6 +11,9 @@ driver inherits the driver's).
 DHP_INJECT_MISROUTE=1, read by the driver, sends each vision backward to the next vision replica instead of
 the one that encoded its micro-batch (`misrouted`): a gradient that goes nowhere, which the ranks' step
 ledgers must stop the run on (stages/step_ledger.py).
+
+Both hooks take the environment to read as an argument (default: the process's): a test of the hooks in the
+test process passes its own, so that no process started beside it in the meantime inherits a planted fault.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import errno
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,10 @@ _SPEC = re.compile(r"^(enospc|eacces|die)@(vision|text):(\d+):(\d+)$")
 _STEP = re.compile(r"step_(\d+)$")
 
 
-def save_fault(stage: str, rank: int, staging: Path) -> None:
-    """Called by a rank between the files of its checkpoint write into `staging` (`.tmp-step_N`)."""
-    spec = os.environ.get(VARIABLE, "")
+def save_fault(stage: str, rank: int, staging: Path, environ: Mapping[str, str] | None = None) -> None:
+    """Called by a rank between the files of its checkpoint write into `staging` (`.tmp-step_N`); `environ`: the
+    environment that plants the fault (None: the process's)."""
+    spec = (os.environ if environ is None else environ).get(VARIABLE, "")
     m = _SPEC.match(spec)
     step = _STEP.search(staging.name)
     if not m or not step or (m.group(2), int(m.group(3)), int(m.group(4))) != (stage, rank, int(step.group(1))):
@@ -48,11 +53,12 @@ def save_fault(stage: str, rank: int, staging: Path) -> None:
     raise OSError(code, os.strerror(code), str(staging / f"{stage}-rank{rank}"))
 
 
-def misrouted(calls: list[Any], num_vision: int) -> list[Any]:
+def misrouted(calls: list[Any], num_vision: int, environ: Mapping[str, str] | None = None) -> list[Any]:
     """The routing's calls (models/parallel/routing.py), each vision backward moved to the next vision replica
-    when DHP_INJECT_MISROUTE=1 (with one replica nothing moves); else `calls` as they are. Meant for a pool that
-    is not lockstep: a lockstep pool's padding has the same id on every replica, so a moved one would run."""
-    if os.environ.get(MISROUTE, "") != "1":
+    when DHP_INJECT_MISROUTE=1 in `environ` (None: the process's environment; with one replica nothing moves);
+    else `calls` as they are. Meant for a pool that is not lockstep: a lockstep pool's padding has the same id
+    on every replica, so a moved one would run."""
+    if (os.environ if environ is None else environ).get(MISROUTE, "") != "1":
         return calls
     return [
         dataclasses.replace(c, members=tuple(((r + 1) % num_vision, k) for r, k in c.members))

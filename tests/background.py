@@ -16,6 +16,10 @@ starts inherits it. The kernel applies nice values only within one process sessi
 starts a session of its own (test_faults.py's recovery bench does, so that it can be killed with its runs; so does
 the Ray head of test_ray_job.py) shares the CPU with the tests about equally whatever its nice value, and the tests
 beside it take longer (docs/testing.md).
+
+A job's processes inherit the test process's environment as it is when they start, whatever test runs then: a
+test never plants in `os.environ` what changes a run (the fault hooks of stages/fault_injection.py take the
+environment to read as an argument; tests/test_step_invariants.py plants a misroute in its own trainer alone).
 """
 
 from __future__ import annotations

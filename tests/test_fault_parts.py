@@ -48,20 +48,21 @@ def test_preemption_records_the_first_signal_and_a_second_ctrl_c_interrupts():
     assert str(Preempted(4, None, "SIGTERM")) == "preempted at step 4, checkpoint none"
 
 
-def test_injected_save_fault_fires_once_on_its_rank_and_step(tmp_path, monkeypatch):
+def test_injected_save_fault_fires_once_on_its_rank_and_step(tmp_path):
     staging = tmp_path / ".tmp-step_000004"
     staging.mkdir()
+    assert VARIABLE not in os.environ
     save_fault("text", 0, staging)  # unset: nothing
-    monkeypatch.setenv(VARIABLE, "enospc@text:0:4")
-    save_fault("text", 1, staging)  # another rank
-    save_fault("text", 0, tmp_path / ".tmp-step_000006")  # another step
+    # The test's own environment, not the process's: the background runs' processes inherit the latter.
+    planted = {VARIABLE: "enospc@text:0:4"}
+    save_fault("text", 1, staging, planted)  # another rank
+    save_fault("text", 0, tmp_path / ".tmp-step_000006", planted)  # another step
     with pytest.raises(OSError) as e:
-        save_fault("text", 0, staging)
+        save_fault("text", 0, staging, planted)
     assert e.value.errno == errno.ENOSPC
-    save_fault("text", 0, staging)  # once per run
-    monkeypatch.setenv(VARIABLE, "eacces@vision:1:4")
+    save_fault("text", 0, staging, planted)  # once per run
     with pytest.raises(PermissionError):
-        save_fault("vision", 1, staging)
+        save_fault("vision", 1, staging, {VARIABLE: "eacces@vision:1:4"})
 
 
 def test_placement_modes_say_what_to_reserve():

@@ -5,7 +5,9 @@ replica counts differ): every gradient goes back to the replica that encoded its
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 import random
 import re
 
@@ -15,6 +17,7 @@ import torch
 
 from dhp.models.parallel.routing import check_fan, route
 from dhp.models.parallel.schedule import VISION_BACKWARD, VISION_FORWARD
+from dhp.stages import trainer as trainer_module
 from dhp.stages.fault_injection import MISROUTE, misrouted
 from dhp.stages.step_ledger import StepInvariantError, StepLedger
 
@@ -128,18 +131,17 @@ def test_vision_worker_records_text_only_forwards_and_refuses_unknown_backwards(
 
 
 @pytest.mark.parametrize(("dv", "dt"), [(2, 1), (3, 2), (2, 3), (1, 2)])
-def test_misroute_hook_sends_every_vision_backward_elsewhere(monkeypatch, dv, dt):
+def test_misroute_hook_sends_every_vision_backward_elsewhere(dv, dt):
     """Routed, every gradient goes back to the replica that encoded its micro-batch; with the test hook on, each
     goes to the next replica (none moves when there is one)."""
     rng = random.Random(dv * 10 + dt)
     patches = [[rng.choice([0, 16, 64]) for _ in range(3)] for _ in range(dt)]
     calls = route(patches, dv, False, False, 2)
-    assert misrouted(calls, dv) is calls  # off unless asked
+    assert MISROUTE not in os.environ and misrouted(calls, dv) is calls  # off unless asked
     encoder = {k: r for c in calls if c.kind == VISION_FORWARD for r, k in c.members}
     back = {k: r for c in calls if c.kind == VISION_BACKWARD for r, k in c.members}
     assert back == encoder and len(back) == 3 * dt
-    monkeypatch.setenv(MISROUTE, "1")
-    moved = misrouted(calls, dv)
+    moved = misrouted(calls, dv, {MISROUTE: "1"})
     assert [c for c in moved if c.kind != VISION_BACKWARD] == [c for c in calls if c.kind != VISION_BACKWARD]
     assert {k: r for c in moved if c.kind == VISION_BACKWARD for r, k in c.members} == {
         k: (r + 1) % dv for k, r in encoder.items()
@@ -165,7 +167,9 @@ def test_misrouted_gradients_stop_the_run_in_one_line(ray_session, tmp_path, mon
     text replica): the ranks refuse the gradients at once, the step stops before the optimizer, one line says why."""
     from dhp.stages.cli import main
 
-    monkeypatch.setenv(MISROUTE, "1")
+    # Planted in this process's trainer alone: set in the process's environment, the variable would reach every
+    # process the background runs start meanwhile (tests/background.py), and misroute their gradients too.
+    monkeypatch.setattr(trainer_module, "misrouted", functools.partial(misrouted, environ={MISROUTE: "1"}))
     code = main(
         [
             "train",
