@@ -31,7 +31,9 @@
 # photos, 20 a side), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc; default
 # host), PROFILE (one-gpu: this many profiled steps, after one warm-up, of each one-process loop and of dhp's
 # actors; default 1; 0: none), RAY_CPUS (the Ray's CPUs, default 8: the peers ask for 8), LIMIT_S (one step
-# alone: its limit, default 570; e.g. 220 for the tests as a second command on a warm machine).
+# alone: its limit, default 570; e.g. 220 for the tests as a second command on a warm machine), BUNDLE (`none`:
+# no bundle to unpack or install; the python3 on PATH has dhp and its packages: how tests/test_bench_one_gpu.py
+# runs this script on a CPU, with MODEL=tiny).
 #
 # Each step writes its log and JSON under $OUT (the folder that comes back from the GPU machine, at most 8
 # files; runs/gpu/ elsewhere) together with versions.txt: the GPU, driver, torch/CUDA, transformers, Ray and
@@ -45,15 +47,18 @@ for s in ${STEPS:-}; do  # before the setup: a misspelt step would be skipped in
 done
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
-[ -f .gpu_bundle/site.tar.xz ] || { echo "no .gpu_bundle/site.tar.xz: run scripts/gpu_bundle.sh and carry .gpu_bundle" >&2; exit 2; }
-# A warm machine keeps /tmp/site between calls: unpack again only if this bundle is not the one unpacked there.
-bundle=$(cksum < .gpu_bundle/site.tar.xz)
-if [ "$(cat /tmp/site/.dhp-unpacked 2>/dev/null)" != "$bundle" ]; then
-  rm -rf /tmp/site && mkdir -p /tmp/site && tar -xJf .gpu_bundle/site.tar.xz -C /tmp/site
-  echo "$bundle" > /tmp/site/.dhp-unpacked
+export PYTHONUNBUFFERED=1
+if [ "${BUNDLE:-}" != none ]; then
+  [ -f .gpu_bundle/site.tar.xz ] || { echo "no .gpu_bundle/site.tar.xz: run scripts/gpu_bundle.sh and carry .gpu_bundle" >&2; exit 2; }
+  # A warm machine keeps /tmp/site between calls: unpack again only if this bundle is not the one unpacked there.
+  bundle=$(cksum < .gpu_bundle/site.tar.xz)
+  if [ "$(cat /tmp/site/.dhp-unpacked 2>/dev/null)" != "$bundle" ]; then
+    rm -rf /tmp/site && mkdir -p /tmp/site && tar -xJf .gpu_bundle/site.tar.xz -C /tmp/site
+    echo "$bundle" > /tmp/site/.dhp-unpacked
+  fi
+  export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # a few seconds; this checkout's path
 fi
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # a few seconds; this checkout's path
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   python3 - <<'PY'

@@ -5,8 +5,9 @@ the bubbles of one-thread actors), and some modules' checks read nothing but fin
 other test touches: `tests/test_faults.py` (ten `dhp train` runs), `tests/test_train_job.py` (the default run),
 `tests/test_ray_job.py` (two Ray Jobs on a head of its own), `tests/test_gpu_bundle.py` (the bundle's build),
 `tests/test_bench_peers.py` (the quick peers bench), `tests/test_boundary_wire.py` (the Ray Direct Transport run),
-`tests/test_bench_pipeline.py` and `tests/test_bench_fine_tuning.py` (their quick benches). A
-module that defines `start_early(out: Path, fixtures: set[str])` has it called once the session's tests are chosen
+`tests/test_bench_pipeline.py` and `tests/test_bench_fine_tuning.py` (their quick benches),
+`tests/test_bench_one_gpu.py` (the GPU script at its tiny size). A module that defines
+`start_early(out: Path, fixtures: set[str])` has it called once the session's tests are chosen
 (`pytest_collection_finish` in conftest.py) and its tests run last; the function starts jobs (`start`) and the
 module's fixtures or tests wait on their results (`result`).
 

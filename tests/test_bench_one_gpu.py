@@ -1,18 +1,79 @@
 """`dhp bench one-gpu` at its quick size on CPU: the three systems train the same packed micro-batches of real photos
 (the same counts, the same losses from the same weights) and the JSON says what a GPU run will report. No timing is
-asserted (benchmarks are scripts); the GPU figures come from a GPU run."""
+asserted (benchmarks are scripts); the GPU figures come from a GPU run.
+
+The quick bench runs as the GPU machine runs it: `scripts/gpu_session.sh all` with `MODEL=tiny` and the steps
+`one_gpu peers` (the quick one-gpu bench, then `dhp bench peers --ranks 1 --quick`) on one Ray the script starts
+and ends, each step under its own time limit, in the background from the start of the session
+(tests/background.py). `BUNDLE=none`: this environment's Python, not an unpacked bundle."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from dhp.scripts.bench.one_gpu import main, profile_summary
+from tests import background
+from tests.background import scratch_dir
 
 SYSTEMS = ["dhp", "one process", "one process, dhp kernels"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_early(out: Path, fixtures: set[str]) -> None:
+    """The GPU script's run starts in the background when the session's tests are chosen (tests/background.py)."""
+    if "gpu_session" in fixtures:
+        background.start("gpu session: MODEL=tiny", lambda: _gpu_session(out))
+
+
+def _gpu_session(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    env = {
+        # the script's own Ray, not one the tests may name
+        **{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")},
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),  # python3: ours
+        "BUNDLE": "none",
+        "MODEL": "tiny",
+        "STEPS": "one_gpu peers",
+        "BENCH_STEPS": "1",
+        "BOUNDARIES": "host,cuda_ipc",
+        "PROFILE": "1",
+        "OUT": str(out),
+    }
+    command = ["bash", "scripts/gpu_session.sh", "all"]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), out
+
+
+@pytest.fixture(scope="module")
+def gpu_session() -> tuple[subprocess.CompletedProcess, Path]:
+    return background.result(
+        "gpu session: MODEL=tiny", lambda: start_early(scratch_dir("bench_one_gpu"), {"gpu_session"})
+    )
+
+
+@pytest.mark.slow  # the GPU script's run, with a Ray of its own
+def test_gpu_script_runs_every_step_on_one_ray_and_ends_it(gpu_session):
+    """What a 600-s call on the GPU machine relies on: both steps end in time (rc 0) on the one Ray the script
+    started (a second start after a stop failed on GPU machines), the versions and each step's status are written,
+    and the Ray is gone when the script ends (its port refuses)."""
+    proc, out = gpu_session
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = (out / "steps.txt").read_text()
+    (address,) = re.findall(r"^Ray started at (127\.0\.0\.1:\d+) in \d+ s$", steps, flags=re.M)
+    assert re.findall(r"^== (\w+): rc=(\d+) ", steps, flags=re.M) == [("one_gpu", "0"), ("peers", "0")], steps
+    assert "torch" in (out / "versions.txt").read_text()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", int(address.split(":")[1]))) != 0, f"Ray still listens at {address}"
+    peers = json.loads((out / "peers_gpu.json").read_text())
+    assert peers["complete"] and peers["ranks"] == 1 and all(r["step_s"] > 0 for r in peers["systems"])
 
 
 def _args(path, **changes) -> argparse.Namespace:
@@ -33,10 +94,13 @@ def _args(path, **changes) -> argparse.Namespace:
     return argparse.Namespace(**{**args, **changes})
 
 
-def test_three_systems_train_the_same_packed_photos(trainers, tmp_path, capsys):
-    path = tmp_path / "one_gpu.json"
-    assert main(_args(path, boundaries=("host", "cuda_ipc")), trainers.use) == 0
-    result = json.loads(path.read_text())
+@pytest.mark.slow  # reads the GPU script's run
+def test_three_systems_train_the_same_packed_photos(gpu_session):
+    """The one_gpu step of the GPU script's run: `dhp bench one-gpu --quick --steps 1 --profile 1 --boundaries
+    host,cuda_ipc`."""
+    proc, run_dir = gpu_session
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((run_dir / "one_gpu.json").read_text())
     assert result["complete"] and "failed" not in result
     # CUDA IPC needs both pools on one GPU: refused up front on a CPU, recorded apart, and the other rows kept
     (failed,) = result["failed_boundaries"]
@@ -99,7 +163,7 @@ def test_three_systems_train_the_same_packed_photos(trainers, tmp_path, capsys):
         assert calls == sorted(calls, reverse=True) and all(o["host_s"] >= 0 for o in prof["top_host"])
         assert any(o["op"].startswith("aten::") for o in prof["top_host"])
 
-    out = capsys.readouterr().out
+    out = (run_dir / "one_gpu.log").read_text()
     assert "| ÷ stock | ÷ same kernels |" in out
     for system in SYSTEMS:
         assert f"| photos | {dhp['patches']} | {system} |" in out
