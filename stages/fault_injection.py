@@ -34,10 +34,10 @@ _SPEC = re.compile(r"^(enospc|eacces|die)@(vision|text):(\d+):(\d+)$")
 _STEP = re.compile(r"step_(\d+)$")
 
 
-def save_fault(stage: str, rank: int, staging: Path, environ: Mapping[str, str] | None = None) -> None:
+def save_fault(stage: str, rank: int, staging: Path, environ: Mapping[str, str] = os.environ) -> None:
     """Called by a rank between the files of its checkpoint write into `staging` (`.tmp-step_N`); `environ`: the
-    environment that plants the fault (None: the process's)."""
-    spec = (os.environ if environ is None else environ).get(VARIABLE, "")
+    environment that plants the fault."""
+    spec = environ.get(VARIABLE, "")
     m = _SPEC.match(spec)
     step = _STEP.search(staging.name)
     if not m or not step or (m.group(2), int(m.group(3)), int(m.group(4))) != (stage, rank, int(step.group(1))):
@@ -53,12 +53,12 @@ def save_fault(stage: str, rank: int, staging: Path, environ: Mapping[str, str] 
     raise OSError(code, os.strerror(code), str(staging / f"{stage}-rank{rank}"))
 
 
-def misrouted(calls: list[Any], num_vision: int, environ: Mapping[str, str] | None = None) -> list[Any]:
+def misrouted(calls: list[Any], num_vision: int, environ: Mapping[str, str] = os.environ) -> list[Any]:
     """The routing's calls (models/parallel/routing.py), each vision backward moved to the next vision replica
-    when DHP_INJECT_MISROUTE=1 in `environ` (None: the process's environment; with one replica nothing moves);
+    when DHP_INJECT_MISROUTE=1 in `environ` (with one replica nothing moves);
     else `calls` as they are. Meant for a pool that is not lockstep: a lockstep pool's padding has the same id
     on every replica, so a moved one would run."""
-    if (os.environ if environ is None else environ).get(MISROUTE, "") != "1":
+    if environ.get(MISROUTE, "") != "1":
         return calls
     return [
         dataclasses.replace(c, members=tuple(((r + 1) % num_vision, k) for r, k in c.members))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -96,6 +97,19 @@ def result(name: str, start_early: Callable[[], None]) -> Any:
     if name not in _JOBS:
         start_early()
     return _JOBS[name].result()
+
+
+def run_command(name: str, command: list[str], out: Path, timeout_s: float = 1800, **kwargs: Any) -> None:
+    """Job `name`: `command` as a subprocess with its output captured (`kwargs` go to `subprocess.run`); its
+    result is the finished process and `out`, the file or directory the module's checks read."""
+    start(name, lambda: (subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, **kwargs), out))
+
+
+def succeeded(name: str, start_early: Callable[[], None]) -> tuple[subprocess.CompletedProcess, Path]:
+    """`result` of a `run_command` job, whose process must have exited 0 (else the tails of its output say why)."""
+    proc, out = result(name, start_early)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out
 
 
 _SCRATCH: list[Path] = []

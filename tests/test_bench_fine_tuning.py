@@ -21,12 +21,9 @@ pytestmark = pytest.mark.slow  # a subprocess bench with its own Ray
 def start_early(out: Path, fixtures: set[str]) -> None:
     """The quick bench, in the background (tests/background.py)."""
     if "quick" in fixtures:
-        background.start("bench fine-tuning: quick", lambda: _bench(out / "ft.json"))
-
-
-def _bench(path: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    command = [sys.executable, "-m", "dhp.stages.cli", "bench", "fine-tuning", "--quick", "--json", str(path)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=1800), path
+        path = out / "ft.json"
+        command = [sys.executable, "-m", "dhp.stages.cli", "bench", "fine-tuning", "--quick", "--json", str(path)]
+        background.run_command("bench fine-tuning: quick", command, path)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +31,7 @@ def quick() -> tuple[subprocess.CompletedProcess, Path]:
     def start() -> None:
         start_early(scratch_dir("bench_fine_tuning"), {"quick"})
 
-    proc, path = background.result("bench fine-tuning: quick", start)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc, path
+    return background.succeeded("bench fine-tuning: quick", start)
 
 
 def test_bench_fine_tuning_quick_rows_hold_what_each_mode_keeps(quick):

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,31 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def start_early(out: Path, fixtures: set[str]) -> None:
     """The GPU script's run starts in the background when the session's tests are chosen (tests/background.py)."""
     if "gpu_session" in fixtures:
-        background.start("gpu session: MODEL=tiny", lambda: _gpu_session(out))
-
-
-def _gpu_session(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    env = {
-        # the script's own Ray, not one the tests may name
-        **{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")},
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),  # python3: ours
-        "BUNDLE": "none",
-        "MODEL": "tiny",
-        "STEPS": "one_gpu peers",
-        "BENCH_STEPS": "1",
-        "BOUNDARIES": "host,cuda_ipc",
-        "PROFILE": "1",
-        "OUT": str(out),
-    }
-    command = ["bash", "scripts/gpu_session.sh", "all"]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), out
+        env = {
+            **os.environ,
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),  # python3: ours
+            "BUNDLE": "none",
+            "MODEL": "tiny",
+            "STEPS": "one_gpu peers",
+            "BENCH_STEPS": "1",
+            "BOUNDARIES": "host,cuda_ipc",
+            "PROFILE": "1",
+            "OUT": str(out),
+        }
+        command = ["bash", "scripts/gpu_session.sh", "all"]
+        background.run_command("gpu session: MODEL=tiny", command, out, timeout_s=900, cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")
-def gpu_session() -> tuple[subprocess.CompletedProcess, Path]:
-    return background.result(
+def gpu_session() -> Path:
+    """The directory of the GPU script's run (its `OUT`), which exited 0."""
+    _, out = background.succeeded(
         "gpu session: MODEL=tiny", lambda: start_early(scratch_dir("bench_one_gpu"), {"gpu_session"})
     )
+    return out
 
 
 @pytest.mark.slow  # the GPU script's run, with a Ray of its own
@@ -64,8 +60,7 @@ def test_gpu_script_runs_every_step_on_one_ray_and_ends_it(gpu_session):
     """What a 600-s call on the GPU machine relies on: both steps end in time (rc 0) on the one Ray the script
     started (a second start after a stop failed on GPU machines), the versions and each step's status are written,
     and the Ray is gone when the script ends (its port refuses)."""
-    proc, out = gpu_session
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = gpu_session
     steps = (out / "steps.txt").read_text()
     (address,) = re.findall(r"^Ray started at (127\.0\.0\.1:\d+) in \d+ s$", steps, flags=re.M)
     assert re.findall(r"^== (\w+): rc=(\d+) ", steps, flags=re.M) == [("one_gpu", "0"), ("peers", "0")], steps
@@ -98,8 +93,7 @@ def _args(path, **changes) -> argparse.Namespace:
 def test_three_systems_train_the_same_packed_photos(gpu_session):
     """The one_gpu step of the GPU script's run: `dhp bench one-gpu --quick --steps 1 --profile 1 --boundaries
     host,cuda_ipc`."""
-    proc, run_dir = gpu_session
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = gpu_session
     result = json.loads((run_dir / "one_gpu.json").read_text())
     assert result["complete"] and "failed" not in result
     # CUDA IPC needs both pools on one GPU: refused up front on a CPU, recorded apart, and the other rows kept

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,26 +36,21 @@ def test_largest_fitting_climbs_then_bisects():
 
 
 def start_early(out: Path, fixtures: set[str]) -> None:
-    """The quick bench runs in the background when the session's tests are chosen (tests/background.py)."""
+    """The quick bench runs in the background when the session's tests are chosen (tests/background.py):
+    `run(quick=True)` in a process of its own (its Ray, DeepSpeed's ranks), by this module's `__main__`."""
     if "quick_bench" in fixtures:
-        background.start("bench peers: quick", lambda: _quick_bench(out))
-
-
-def _quick_bench(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    """`run(quick=True)` in a process of its own (its Ray, DeepSpeed's ranks), by this module's `__main__`."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "tests.test_bench_peers", str(out / "peers.json")]
-    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1800), out
+        root = Path(__file__).resolve().parent.parent
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        command = [sys.executable, "-m", "tests.test_bench_peers", str(out / "peers.json")]
+        background.run_command("bench peers: quick", command, out / "peers.json", cwd=root, env=env)
 
 
 @pytest.fixture(scope="module")
 def quick_bench() -> tuple[list, dict]:
-    proc, out = background.result(
+    _, path = background.succeeded(
         "bench peers: quick", lambda: start_early(scratch_dir("bench_peers"), {"quick_bench"})
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ran = json.loads((out / "peers.json").read_text())
+    ran = json.loads(path.read_text())
     return ran["partial"], ran["result"]
 
 

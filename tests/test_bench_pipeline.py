@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,22 +47,17 @@ RUNS = {"quick": ("pipeline.json", []), "long_tail": ("long_tail.json", ["--mix"
 def start_early(out: Path, fixtures: set[str]) -> None:
     """Each bench run the chosen tests ask for, in the background (tests/background.py)."""
     for name in RUNS.keys() & fixtures:
-        background.start(f"bench pipeline: {name}", lambda name=name: _bench(out, name))
-
-
-def _bench(out: Path, name: str) -> tuple[subprocess.CompletedProcess, Path]:
-    json_name, args = RUNS[name]
-    path = out / json_name
-    command = [sys.executable, "-m", "dhp.stages.cli", "bench", "pipeline", *args, "--quick", "--json", str(path)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=1800), path
+        json_name, args = RUNS[name]
+        path = out / json_name
+        command = [sys.executable, "-m", "dhp.stages.cli", "bench", "pipeline", *args, "--quick", "--json", str(path)]
+        background.run_command(f"bench pipeline: {name}", command, path)
 
 
 def _early(name: str) -> tuple[int, Path, list]:
     def start() -> None:
         start_early(scratch_dir("bench_pipeline"), {name})
 
-    proc, path = background.result(f"bench pipeline: {name}", start)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc, path = background.succeeded(f"bench pipeline: {name}", start)
     return proc.returncode, path, json.loads(path.read_text())
 
 
