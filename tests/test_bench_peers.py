@@ -94,7 +94,7 @@ def test_on_gpus_every_system_takes_one_gpu_per_rank():
         assert cfg.pipeline.shared and cfg.vision.num_gpus_per_actor == cfg.text.num_gpus_per_actor == 0.5
 
 
-if __name__ == "__main__":  # the quick bench for `_quick_bench`: its result and what it handed `on_system`
+if __name__ == "__main__":  # the quick bench for `start_early`: its result and what it handed `on_system`
     from dhp.scripts.results import write_json
 
     seen: list = []
