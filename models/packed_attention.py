@@ -7,6 +7,9 @@ text model asks it, nothing else chooses:
 - `flash_attn`: flash-attn's varlen kernel, when the package is installed and CUDA is there. transformers'
   `flash_attention_2` already takes `cu_seq_lens_q/k` and `max_length_q/k` (`_flash_attention_forward`) and calls
   `flash_attn_varlen_func` with them, so dhp only hands those over.
+- `torch_varlen`: where flash-attn is missing but CUDA is there, torch's own varlen flash attention
+  (`models/torch_varlen.py`, public in torch 2.11 and 2.13): one call per layer over every sample, like
+  flash-attn's. A call it cannot take (fp32 compute, an odd head size) goes to `sdpa_segments`.
 - `sdpa_segments`: otherwise. transformers' `sdpa_attention_forward` with `is_causal` on each sample's rows, the
   samples of one length stacked along the batch (`window_attention.segment_groups`, as the vision encoder does for
   its windows), so a micro-batch costs one SDPA call per distinct sample length and sum(n_i^2), not T^2.
@@ -17,10 +20,11 @@ that mask is a dense [T, T] boolean, and SDPA with it computes every one of the 
 forward and backward of 8 samples, 4 096 tokens, 8 heads of 64 took 5.5 to 6.8 times as long with the mask as per
 sample (`python -m dhp.models.packed_attention`), the same result to 8e-7. FlexAttention's block mask would skip
 the empty blocks, but on the CPU torch 2.13 has no FlexAttention backward ("FlexAttention does not support
-backward on CPU"), and on a GPU it needs `torch.compile` for each new packed length.
+backward on CPU"), and on a GPU it needs `torch.compile` for each new packed length; torch's varlen API is
+the GPU's exact path without either.
 
-The attention function is registered with transformers under `PACKED_SDPA`, its mask function is SDPA's, so an
-unpacked call (no `cu_seq_lens_q`: a ZeRO-3 padding micro-batch, say) is exactly `sdpa`.
+Both of dhp's attention functions are registered with transformers (`PACKED_SDPA`, `PACKED_TORCH_VARLEN`), their
+mask function SDPA's, so an unpacked call (no `cu_seq_lens_q`: a ZeRO-3 padding micro-batch, say) is exactly `sdpa`.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from dhp.models import torch_varlen
 from dhp.models.window_attention import segment_groups
 
-PACKED_SDPA = "dhp_packed_sdpa"  # the attention implementation name transformers knows the function below by
+# the attention implementation names transformers knows the two functions below by
+PACKED_SDPA = "dhp_packed_sdpa"
+PACKED_TORCH_VARLEN = "dhp_packed_torch_varlen"
 
 
 def packed_sdpa_forward(
@@ -73,15 +80,45 @@ def packed_sdpa_forward(
     return (out if inverse is None else out[inverse]).unsqueeze(0), None
 
 
+def packed_torch_varlen_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """`packed_sdpa_forward`'s contract through torch's varlen flash attention: q [1, h, T, hd], k/v
+    [1, kv, T, hd] -> [1, T, h, hd] in the compute dtype; `cu_seq_lens_q` int32 on q's device, `max_length_q` its
+    longest sample. A call `torch_varlen.usable` refuses, or one with no `max_length_q`, is `packed_sdpa_forward`."""
+    if cu_seq_lens_q is None or max_length_q is None or not torch_varlen.usable(query):
+        return packed_sdpa_forward(
+            module, query, key, value, attention_mask, dropout, scaling, cu_seq_lens_q=cu_seq_lens_q, **kwargs
+        )
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError("a packed sequence is one row with no attention mask: its samples are its cu_seqlens")
+    if dropout:
+        raise ValueError(f"torch's varlen attention has no dropout, but the decoder asks for {dropout}")
+    # [1, heads, T, hd] -> [T, heads, hd]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return torch_varlen.attend(q, k, v, cu_seq_lens_q, max_length_q, causal=True, scale=scaling).unsqueeze(0), None
+
+
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+AttentionInterface.register(PACKED_TORCH_VARLEN, packed_torch_varlen_forward)
+AttentionMaskInterface.register(PACKED_TORCH_VARLEN, sdpa_mask)
 
 
 @dataclass(frozen=True)
 class VarlenKernel:
     """How the decoder attends within each sample of a packed sequence (module docstring)."""
 
-    name: str  # flash_attn | sdpa_segments
+    name: str  # flash_attn | torch_varlen | sdpa_segments
     attn_implementation: str  # transformers' attention function the decoder layers call
 
     def text_config(self, text_config: Any) -> Any:
@@ -92,7 +129,7 @@ class VarlenKernel:
 
     def model_kwargs(self, cu_seqlens: torch.Tensor, device: torch.device) -> dict[str, Any]:
         """What the decoder's forward passes on to every attention call (transformers' `FlashAttentionKwargs`)."""
-        if self.name != "flash_attn":  # the segments are read on the host, once per micro-batch (cached)
+        if self.name == "sdpa_segments":  # the segments are read on the host, once per micro-batch (cached)
             return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
         cu = cu_seqlens.to(device=device, dtype=torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -101,9 +138,12 @@ class VarlenKernel:
 
 @functools.cache
 def varlen_kernel() -> VarlenKernel:
-    """The kernel of this process: flash-attn's varlen where flash-attn and CUDA are, else per-sample SDPA."""
+    """The kernel of this process: flash-attn's varlen where flash-attn and CUDA are, else torch's varlen where a
+    GPU it runs on is, else per-sample SDPA."""
     if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
         return VarlenKernel("flash_attn", "flash_attention_2")
+    if torch_varlen.kernel() is not None:
+        return VarlenKernel("torch_varlen", PACKED_TORCH_VARLEN)
     return VarlenKernel("sdpa_segments", PACKED_SDPA)
 
 

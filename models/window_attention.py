@@ -11,7 +11,8 @@ they stack along the batch dimension: one SDPA call per length, ~4 per block ins
 `segment_attention(attn, q, k, v, cu_seqlens)`: q/k/v [S, h, hd] (S rows of the packed sequence, h heads
 of hd) -> [S, h, hd]; row i attends exactly to the rows of its own segment [cu[j], cu[j+1]), as transformers
 computes it (bidirectional, `attn.scaling`, the config's attention function: sdpa or eager; flash-attn's
-varlen kernel takes the segments itself). Segments of length L, n of them -> q[rows].view(n, L, h, hd),
+varlen kernel takes the segments itself, and so does torch's own where the function is sdpa on a GPU in
+bf16/fp16: `models/torch_varlen.py`, one call per block). Segments of length L, n of them -> q[rows].view(n, L, h, hd),
 then back to sequence order with one gather (none when every segment has the same length).
 The rows are worked out once per `cu_seqlens` tensor (cached by identity: a forward passes the same two
 tensors, windows and whole images, to all 32 blocks and to their recomputation), so the sync happens
@@ -35,6 +36,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     eager_attention_forward,
 )
 from transformers.utils.generic import is_flash_attention_requested
+
+from dhp.models import torch_varlen
 
 
 @dataclass
@@ -116,6 +119,11 @@ def segment_attention(
             attn, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **common
         )[0]
         return out.reshape(s, heads, hd)
+    if s and not dropout and attn.config._attn_implementation == "sdpa" and _torch_varlen_usable(q):
+        # SDPA's own flash kernel, over every segment in one call (models/torch_varlen.py)
+        cu = cu_seqlens.to(q.device, torch.int32)
+        longest = int(max_seqlen) if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+        return torch_varlen.attend(q, k, v, cu, longest, causal=False, scale=attn.scaling)
     plan = segment_groups(cu_seqlens)
     if plan.total != s:
         raise ValueError(f"cu_seqlens covers {plan.total} rows but q has {s}")
@@ -128,6 +136,10 @@ def segment_attention(
         outs.append(interface(attn, a, b, c, **common)[0].reshape(count * length, heads, hd))  # from [n, L, h, hd]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out if inverse is None else out[inverse]
+
+
+def _torch_varlen_usable(q: torch.Tensor) -> bool:
+    return torch_varlen.kernel() is not None and torch_varlen.usable(q)
 
 
 class GroupedVisionAttention(Qwen2_5_VLVisionAttention):

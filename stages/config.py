@@ -136,7 +136,8 @@ class DataConfig:
     max_seq_len: int = 2048  # longest sample in tokens (vision + text); longer ones are skipped
     microbatch_tokens: int = 2048  # token budget of one micro-batch (batch x padded length; packed: total length)
     # pack each micro-batch's samples back to back into one sequence (no padding) whose text attention stays inside
-    # each sample (flash-attn's varlen kernel if installed, else SDPA per sample); false: right-pad to the longest
+    # each sample (flash-attn's varlen kernel if installed, else torch's on a GPU, else SDPA per sample); false:
+    # right-pad to the longest
     packing: bool = False
     # group each global batch's samples into micro-batches even in predicted cost (text tokens + vision patches,
     # dataflow/balance.py), each within microbatch_tokens, the smallest at the ends so the pipeline fills and drains

@@ -101,6 +101,7 @@ def test_three_systems_train_the_same_packed_photos(gpu_session):
     assert (failed["boundary"], failed["workload"], failed["system"]) == ("cuda_ipc", "photos", "dhp cuda_ipc")
     assert "pipeline.boundary=cuda_ipc maps GPU memory" in failed["error"]
     assert result["timings"].startswith("CPU timings") and result["model"] == "tiny"
+    assert result["text_attention"] == "sdpa_segments"  # no GPU: torch's varlen kernel runs on CUDA only
     assert result["precision"] == "fp32" and result["device_gib"] is None  # no device: the preset's
     # the first 4 photos of the shard, packed into micro-batches of at most 256 tokens: several a step
     (workload,) = result["workloads"]

@@ -639,6 +639,7 @@ def run(
     import ray
     import torch
 
+    from dhp.models.packed_attention import varlen_kernel
     from dhp.models.planning.memory_plan import plan
     from dhp.stages.config import load_config
 
@@ -650,6 +651,8 @@ def run(
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
         "timings": "GPU" if cuda else "CPU timings (not GPU figures)",
         "torch": torch.__version__,
+        # the packed decoder's attention (models/packed_attention.py), as this process's actors choose it too
+        "text_attention": varlen_kernel().name,
         "model": model or "tiny",
         "precision": precision,
         "device_gib": device_gib,
@@ -740,7 +743,7 @@ def _ratio(row: dict[str, Any], key: str) -> str:
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} on {result['device']} ({result['timings']}), {result['precision']}, "
-        f"median of {result['steps']} steps",
+        f"packed text attention {result.get('text_attention', '?')}, median of {result['steps']} steps",
         "",
         "| workload | patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | padding "
         "| peak GiB[/reserved] (planned) | bubble | boundary ms/mb (share) | ÷ stock | ÷ same kernels |",
