@@ -121,9 +121,10 @@ def segment_attention(
         return out.reshape(s, heads, hd)
     if s and not dropout and attn.config._attn_implementation == "sdpa" and _torch_varlen_usable(q):
         # SDPA's own flash kernel, over every segment in one call (models/torch_varlen.py)
+        # the longest segment from the cached grouping: read on the host once per cu_seqlens, not once per block
+        longest = max_seqlen if max_seqlen is not None else max(n for n, _, _ in segment_groups(cu_seqlens).groups)
         cu = cu_seqlens.to(q.device, torch.int32)
-        longest = int(max_seqlen) if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
-        return torch_varlen.attend(q, k, v, cu, longest, causal=False, scale=attn.scaling)
+        return torch_varlen.attend(q, k, v, cu, int(longest), causal=False, scale=attn.scaling)
     plan = segment_groups(cu_seqlens)
     if plan.total != s:
         raise ValueError(f"cu_seqlens covers {plan.total} rows but q has {s}")

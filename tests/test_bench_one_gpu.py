@@ -10,6 +10,7 @@ and ends, each step under its own time limit, in the background from the start o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -181,22 +182,57 @@ def test_describe_lists_the_workload_without_training(tmp_path, capsys):
     assert "data.microbatch_tokens=256" in workload["settings"]
 
 
-def test_precision_is_the_presets_where_the_plan_fits_it_else_bf16():
-    """What a GPU run will choose for the 3B, decided by the plan alone, so checked here without a GPU: on an 80 GB
-    H100 its fp32 master states (60 GB) fit beside a 4 k-patch micro-batch, not beside one of the photos' packed
-    micro-batches (about 22 k patches and 8 k tokens)."""
-    from dhp.scripts.bench.one_gpu import _settings, choose_precision
+def test_fit_is_the_presets_precision_with_the_least_recomputation_the_plan_fits():
+    """What a GPU run will train the 3B with, decided by the plan alone, so checked here without a GPU. On an 80 GB
+    H100 its fp32 master states (60 GB) fit beside a 4 k-patch micro-batch only with both pools recomputing every
+    block, and not at all beside one of the photos' packed micro-batches (about 22 k patches and 8 k tokens): bf16
+    then. On a 141 GB H200 fp32 fits with less recomputation. Whatever is chosen, no other pair of checkpointing
+    options that fits at that precision recomputes fewer forward FLOPs."""
+    from dhp.dataflow.packing import MicroBatchMeta
+    from dhp.models.activation_checkpointing import ActivationCheckpointing
+    from dhp.models.planning.flops import text_linear_flops_per_token, vision_linear_flops_per_patch
+    from dhp.models.planning.memory_plan import plan
+    from dhp.scripts.bench.one_gpu import CHECKPOINTING, Fit, _settings, choose_fit
     from dhp.stages.config import load_config
     from dhp.stages.trainer import model_config_of
 
     settings = [*_settings("qwen2_5_vl_3b", cuda=True), "training.global_batch_size=32"]
     mc = model_config_of(load_config("qwen2_5_vl_7b", settings))
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 4096, device_gib=78.0) == "fp32"
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=78.0) == "bf16"
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=78.0, asked="fp32") == "fp32"
-    assert choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=None) == "fp32"  # no device: preset's
+    small, photos = (MicroBatchMeta(4, t, t, t, 4, p) for p, t in ((4096, 1100), (24000, 8192)))
+    fit = functools.partial(choose_fit, "qwen2_5_vl_7b", settings, mc)
+    full = ("full", 1)
+
+    def recomputed(f: Fit, m: MicroBatchMeta) -> float:
+        per = {
+            "vision": vision_linear_flops_per_patch(mc.vision_config) * m.patches / mc.vision_config.depth,
+            "text": text_linear_flops_per_token(mc.text_config) * m.padded_tokens / mc.text_config.num_hidden_layers,
+        }
+        layers = {"vision": mc.vision_config.depth, "text": mc.text_config.num_hidden_layers}
+        return sum(per[s] * len(ActivationCheckpointing(*c).chosen(layers[s])) for s, c in f.checkpointing.items())
+
+    def least(f: Fit, m: MicroBatchMeta, gib: float) -> bool:
+        fitting = [
+            other
+            for other in (Fit(f.precision, {"vision": v, "text": t}) for v in CHECKPOINTING for t in CHECKPOINTING)
+            if plan(load_config("qwen2_5_vl_7b", [*settings, *other.settings]), mc, gib, m.patches)["fits"]
+        ]
+        return f in fitting and all(recomputed(f, m) <= recomputed(o, m) for o in fitting)
+
+    assert fit(small, 78.0) == Fit("fp32", {"vision": full, "text": full})
+    on_h100 = fit(photos, 78.0)
+    assert on_h100.precision == "bf16" and least(on_h100, photos, 78.0)
+    on_h200 = fit(small, 139.0)
+    assert on_h200.precision == "fp32" and on_h200.checkpointing != {"vision": full, "text": full}
+    assert least(on_h200, small, 139.0)
+    assert (
+        "model.precision=bf16" in on_h100.settings
+        and "text.activation_checkpointing_every=2" in Fit("bf16", {"vision": full, "text": ("every_n", 2)}).settings
+    )
+    assert fit(photos, None) == Fit("fp32", {"vision": full, "text": full})  # no device: the preset's
+    with pytest.raises(ValueError, match="fits no precision on this 78 GiB device at 24000 patches"):
+        fit(photos, 78.0, asked="fp32")
     with pytest.raises(ValueError, match="fits no precision on this 20 GiB device at 24000 patches"):
-        choose_precision("qwen2_5_vl_7b", settings, mc, 24000, device_gib=20.0)
+        fit(photos, 20.0)
 
 
 def _ran(seconds: float, trained: dict, dhp: bool = False) -> dict:

@@ -35,7 +35,7 @@ LENGTHS = [5, 1, 9, 4, 9]  # two samples of one length, not adjacent; a one-toke
 
 def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
     """torch 2.11's `varlen_attn` contract, per segment through SDPA (fp32 inside, the inputs' dtype out)."""
-    assert q.shape[1] == k.shape[1] == v.shape[1], "this torch's varlen_attn takes no grouped key/value heads"
+    assert q.shape[1] == k.shape[1] == v.shape[1], "torch 2.11's varlen_attn takes no grouped key/value heads"
     assert q.dtype == k.dtype == v.dtype and cu_q.dtype == torch.int32 and cu_q is cu_k
     assert tuple(window_size) in ((-1, 0), (-1, -1))
     bounds = cu_q.tolist()
@@ -44,6 +44,8 @@ def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, wind
     )
     outs = []
     for a, b in zip(bounds, bounds[1:]):
+        if a == b:
+            continue
         qs, ks, vs = (t[a:b].transpose(0, 1).float() for t in (q, k, v))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=window_size == (-1, 0), scale=scale)
         outs.append(out.transpose(0, 1).to(q.dtype))
@@ -218,7 +220,7 @@ def test_kernel_on_a_gpu_equals_the_reference(causal, kv_heads, dim):
     """The real kernel in bf16 (the ViT's head size 80, the decoders' 64 and 128, grouped key/value heads) against
     the stand-in the CPU tests use: output and the gradients of q, k and v."""
     assert torch_varlen.kernel() is not None, "a GPU of compute capability 8.0 or newer runs torch's varlen_attn"
-    lengths = [300, 1, 517, 64, 300]
+    lengths = [300, 0, 1, 517, 64, 300]  # an empty segment, as a padded window row gives
     cu = _cu(lengths, "cuda")
     g = torch.Generator().manual_seed(0)
     total = sum(lengths)

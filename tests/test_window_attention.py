@@ -123,7 +123,8 @@ def test_segment_attention_rejects_wrong_cover():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_grouped_attention_matches_transformers_on_cuda(dtype, tol):
-    """The same on CUDA's SDPA kernels (flash / memory-efficient take the stacked windows as a batch)."""
+    """The same on a GPU: fp32 through SDPA's kernels (the stacked windows as a batch), bf16 through torch's varlen
+    flash attention (one call per block, models/torch_varlen.py)."""
     config = copy.deepcopy(architecture_config("tiny").vision_config)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

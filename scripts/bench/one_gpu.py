@@ -14,11 +14,12 @@ a step of each size (how the image size alone changes the picture).
 
 Systems, on the same device, one after the other in the same process tree, on the same micro-batches:
   dhp                      a vision actor and a text actor sharing the device (`pipeline.placement=shared`,
-                           half a GPU each), `data.packing=true`, `training.optimizer=fused`, one precision for
-                           the whole run (`choose_precision`: the preset's fp32 master weights if `dhp plan` fits
-                           them on the device at the largest micro-batch, else pure bf16) and the preset's
-                           activation checkpointing, `Trainer.train_step` on pre-built global batches (the data
-                           pipeline is `dhp bench data`'s subject, not this one's).
+                           half a GPU each), `data.packing=true`, `training.optimizer=fused`, one precision and
+                           one activation checkpointing per pool for the whole run (`choose_fit`: the preset's
+                           fp32 master weights if `dhp plan` fits them on the device at the largest micro-batch,
+                           else pure bf16; the least recomputation that fits with it), `Trainer.train_step` on
+                           pre-built global batches (the data pipeline is `dhp bench data`'s subject, not this
+                           one's). Both loops train with the same precision and checkpointing.
   one process              transformers' stock `Qwen2_5_VLForConditionalGeneration`, each micro-batch padded
                            (scripts/bench/one_process.py `run_stock`).
   one process, dhp kernels dhp's own modules, optimizer and clipped step in one process: grouped window attention,
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dhp.scripts.bench.one_process import PAD_ID, run_same_kernels, run_stock, trained
+from dhp.scripts.bench.one_process import PAD_ID, STAGES, run_same_kernels, run_stock, trained
 from dhp.scripts.results import write_json
 
 SHARD = Path(__file__).resolve().parents[2] / "tests" / "assets" / "cc12m-train-0000.tar"  # tests/assets/README.md
@@ -121,9 +122,12 @@ class Workload:
 
         return [meta_of(v, t) for v, t in self.microbatches(packed=True)]
 
+    def largest(self) -> Any:
+        """The `MicroBatchMeta` of the micro-batch with the most patches: what `dhp plan` is asked about."""
+        return max(self.metas, key=lambda m: m.patches)
+
     def largest_patches(self) -> int:
-        """Patches of the largest micro-batch: what `dhp plan` is asked about."""
-        return max(m.patches for m in self.metas)
+        return self.largest().patches
 
     def as_batches(self) -> list[Any]:
         """The step as the `GlobalBatch` list `run_log.throughput` reads (metadata only)."""
@@ -491,27 +495,79 @@ def _system(boundary: str) -> str:
     return f"dhp {boundary}" if transport_of(boundary).direct else "dhp"
 
 
-def choose_precision(
-    base: str, settings: list[str], mc: Any, patches: int, device_gib: float | None, asked: str | None = None
-) -> str:
-    """`asked`, else the preset's precision if `dhp plan` fits it on `device_gib` at `patches` (the largest
-    micro-batch of the run), else pure bf16: fp32 master weights take 16 bytes a parameter, 60 GB for the 3B's
-    3.75 B. Raises when not even bf16 fits (a bench that would run out of memory on the device after spending
-    its time). No device (CPU): the preset's."""
+# each pool's activation checkpointing, from the least recomputation to the most: (mode, every)
+CHECKPOINTING = (("none", 1), ("every_n", 4), ("every_n", 2), ("full", 1))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a run trains with so that it fits the device: a precision and each pool's activation checkpointing."""
+
+    precision: str
+    checkpointing: dict[str, tuple[str, int]]  # pool -> (activation_checkpointing, activation_checkpointing_every)
+
+    @property
+    def settings(self) -> list[str]:
+        out = [f"model.precision={self.precision}"]
+        for stage, (mode, every) in self.checkpointing.items():
+            out.append(f"{stage}.activation_checkpointing={mode}")
+            out.append(f"{stage}.activation_checkpointing_every={every}")
+        return out
+
+    def describe(self) -> str:
+        pools = ", ".join(f"{s} {m}" + (f" {e}" if m == "every_n" else "") for s, (m, e) in self.checkpointing.items())
+        return f"{self.precision}, checkpointing {pools}"
+
+
+def _checkpointing(stage: Any) -> tuple[str, int]:
+    """A pool's config as one of `CHECKPOINTING`'s options (`every` only means something to every_n)."""
+    mode = stage.activation_checkpointing
+    return mode, stage.activation_checkpointing_every if mode == "every_n" else 1
+
+
+def choose_fit(
+    base: str, settings: list[str], mc: Any, largest: Any, device_gib: float | None, asked: str | None = None
+) -> Fit:
+    """The precision and checkpointing a run takes on a `device_gib` device, its largest micro-batch `largest` (a
+    `MicroBatchMeta`), decided by `dhp plan` alone. The precision: `asked`, else the preset's (fp32 master weights:
+    16 bytes a parameter, 60 GB for the 3B's 3.75 B) where any checkpointing fits it, else pure bf16. The
+    checkpointing: of the pairs (vision, text) from `CHECKPOINTING` that fit, the one recomputing the fewest
+    forward FLOPs of that micro-batch (`models/planning/flops.py`'s per-patch and per-token counts), so the device
+    spends its time on the step, not on recomputation. Raises when nothing fits (a bench that would run out of
+    memory after spending its time). No device (CPU): the preset's precision and checkpointing."""
+    from dhp.models.activation_checkpointing import ActivationCheckpointing
+    from dhp.models.planning.flops import text_linear_flops_per_token, vision_linear_flops_per_patch
     from dhp.models.planning.memory_plan import GIB, plan
     from dhp.stages.config import load_config
 
-    if asked or device_gib is None:
-        return asked or load_config(base, settings).model.precision
+    preset = load_config(base, settings)
+    if device_gib is None:
+        pools = {s: _checkpointing(getattr(preset, s)) for s in STAGES}
+        return Fit(asked or preset.model.precision, pools)
+    forward = {
+        "vision": vision_linear_flops_per_patch(mc.vision_config) * largest.patches,
+        "text": text_linear_flops_per_token(mc.text_config) * largest.padded_tokens,
+    }
+    layers = {"vision": mc.vision_config.depth, "text": mc.text_config.num_hidden_layers}
+
+    def recomputed(stage: str, option: tuple[str, int]) -> float:
+        chosen = len(ActivationCheckpointing(*option).chosen(layers[stage]))
+        return forward[stage] * chosen / layers[stage]
+
+    pairs = sorted(
+        ((v, t) for v in CHECKPOINTING for t in CHECKPOINTING),
+        key=lambda pair: recomputed("vision", pair[0]) + recomputed("text", pair[1]),
+    )
     tried = []
-    for name in dict.fromkeys([load_config(base, settings).model.precision, "bf16"]):
-        cfg = load_config(base, [*settings, f"model.precision={name}"])
-        result = plan(cfg, mc, device_gib, vision_patches=patches)
-        if result["fits"]:
-            return name
-        tried.append(f"{name}: {result['per_device'] / GIB:.1f} GiB")
+    for precision in [asked] if asked else dict.fromkeys([preset.model.precision, "bf16"]):
+        for pair in pairs:
+            fit = Fit(precision, dict(zip(STAGES, pair)))
+            result = plan(load_config(base, [*settings, *fit.settings]), mc, device_gib, vision_patches=largest.patches)
+            if result["fits"]:
+                return fit
+        tried.append(f"{precision}: {result['per_device'] / GIB:.1f} GiB with full checkpointing")
     raise ValueError(
-        f"the plan fits no precision on this {device_gib:.0f} GiB device at {patches} patches "
+        f"the plan fits no precision on this {device_gib:.0f} GiB device at {largest.patches} patches "
         f"({'; '.join(tried)}): ask for smaller --sides or fewer --photos"
     )
 
@@ -664,13 +720,12 @@ def run(
         with tempfile.TemporaryDirectory() as tmp:
             todo = workloads(quick, preset, mc, sides, microbatches, photos, shard, Path(tmp))
             largest = max(todo, key=Workload.largest_patches)
-            precision = choose_precision(
-                base, [*common, *largest.settings], mc, largest.largest_patches(), device_gib, precision
-            )
-            head["precision"] = precision
-            print(f"precision: {precision}", flush=True)
+            fit = choose_fit(base, [*common, *largest.settings], mc, largest.largest(), device_gib, precision)
+            head["precision"] = fit.precision
+            head["activation_checkpointing"] = {s: list(c) for s, c in fit.checkpointing.items()}
+            print(f"fit: {fit.describe()}", flush=True)
             for w in todo:
-                settings = [*common, *w.settings, f"model.precision={precision}"]
+                settings = [*common, *w.settings, *fit.settings]
                 head.setdefault("workloads", []).append(_described(w))
                 ranks = plan(load_config(base, settings), mc, vision_patches=w.largest_patches())["ranks"]
                 planned = {s: p.total for s, p in ranks.items()} if cuda else {}

@@ -3,7 +3,7 @@ bench's own process:
 
 - `run_stock`: transformers' `Qwen2_5_VLForConditionalGeneration` as a user writes the loop: each micro-batch
   right-padded to its longest sample with an attention mask (what the model takes for several samples), the
-  model's own mRoPE positions, SDPA, `gradient_checkpointing_enable()` where dhp checkpoints, torch's AdamW
+  model's own mRoPE positions, SDPA, activation checkpointing on the blocks dhp recomputes, torch's AdamW
   over all parameters, `clip_grad_norm_`. Its loss is the mean over the step's labelled tokens
   (`num_items_in_batch`), as dhp's.
 - `run_same_kernels`: dhp's two halves (`VisionModel` with grouped window attention, `TextModel(packed=...)`
@@ -198,8 +198,9 @@ def run_stock(cfg: Any, mc: Any, workload: Any, steps: int, profile_steps: int =
     counted = trained([meta_of(v, x) for v, x in microbatches])
     batches = [stock_inputs(v, x, precision.param_dtype, mc.image_token_id) for v, x in microbatches]
     model = stock_model(cfg, mc, device)
-    if all(ActivationCheckpointing.of(getattr(cfg, stage)).recomputes for stage in STAGES):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the blocks dhp's ranks recompute, in transformers' own model (what gradient_checkpointing_enable sets, per block)
+    ActivationCheckpointing.of(cfg.vision).apply(model.model.visual.blocks)
+    ActivationCheckpointing.of(cfg.text).apply(model.model.language_model.layers)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
     )
