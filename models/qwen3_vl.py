@@ -25,6 +25,7 @@ from transformers import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
 
 from dhp.models import qwen2_5_vl
+from dhp.models.window_attention import group_segment_attention
 
 
 class VisionModel(qwen2_5_vl.VisionModel):
@@ -38,6 +39,7 @@ class VisionModel(qwen2_5_vl.VisionModel):
         nn.Module.__init__(self)
         # fp32 whatever the config's `dtype` says: the stage's precision is dhp's setting (models/precision.py)
         self.visual = Qwen3VLVisionModel._from_config(config.vision_config, dtype=torch.float32)
+        group_segment_attention(self.visual)  # one attention call per image / frame-pair size, not per segment
         self.deepstack = len(config.vision_config.deepstack_visual_indexes)
         self.out_dim = config.vision_config.out_hidden_size * (1 + self.deepstack)
 

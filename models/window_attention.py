@@ -19,8 +19,10 @@ tensors, windows and whole images, to all 32 blocks and to their recomputation),
 twice per forward, not per block.
 
 `group_segment_attention(visual)` applies it from outside to a transformers ViT: each block's attention
-becomes `GroupedVisionAttention` (a subclass whose only change is that step; parameters, hooks and names
-unchanged). dhp's sequence-parallel forward calls `segment_attention` directly.
+becomes `GroupedVisionAttention` (Qwen2.5-VL) or `GroupedQwen3VisionAttention` (Qwen3-VL, whose blocks all attend
+per image or video frame pair, with the same per-segment loop in transformers), a subclass whose only change is
+that step; parameters, hooks and names unchanged. dhp's sequence-parallel forward calls `segment_attention`
+directly.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     apply_rotary_pos_emb_vision,
     eager_attention_forward,
 )
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention
 from transformers.utils.generic import is_flash_attention_requested
 
 from dhp.models import torch_varlen
@@ -143,10 +146,10 @@ def _torch_varlen_usable(q: torch.Tensor) -> bool:
     return torch_varlen.kernel() is not None and torch_varlen.usable(q)
 
 
-class GroupedVisionAttention(Qwen2_5_VLVisionAttention):
-    """transformers' vision attention with `segment_attention` as its attention step; the rest as in
-    `Qwen2_5_VLVisionAttention.forward` (qkv, rotary, proj), so hooks and a changed `num_heads` (vision TP)
-    apply as before. Output [S, D]."""
+class _GroupedForward:
+    """The forward of transformers' vision attention (Qwen2.5-VL's and Qwen3-VL's are the same: qkv, the vision
+    rotary embedding, attention inside each segment of `cu_seqlens`, proj) with `segment_attention` as its attention
+    step, so hooks and a changed `num_heads` (vision TP) apply as before. Input [S, D], output [S, D]."""
 
     def forward(
         self,
@@ -163,8 +166,24 @@ class GroupedVisionAttention(Qwen2_5_VLVisionAttention):
         return self.proj(out.reshape(s, -1).contiguous())
 
 
+class GroupedVisionAttention(_GroupedForward, Qwen2_5_VLVisionAttention):
+    """transformers' Qwen2.5-VL vision attention, one attention call per segment length (parameters, names and
+    everything but the attention step unchanged)."""
+
+
+class GroupedQwen3VisionAttention(_GroupedForward, Qwen3VLVisionAttention):
+    """transformers' Qwen3-VL vision attention, likewise: its blocks attend over whole images and each temporal
+    patch of a video, so several images or frames of one size are one call."""
+
+
+# transformers' vision attention class -> dhp's grouped subclass of it
+GROUPED = {Qwen2_5_VLVisionAttention: GroupedVisionAttention, Qwen3VLVisionAttention: GroupedQwen3VisionAttention}
+
+
 def group_segment_attention(visual: torch.nn.Module) -> None:
-    """Give every block of a transformers Qwen2.5-VL ViT `GroupedVisionAttention` (in place; same parameters)."""
+    """Give every block of a transformers ViT (Qwen2.5-VL's or Qwen3-VL's) its grouped attention (in place; same
+    parameters)."""
     for block in visual.blocks:
-        if type(block.attn) is Qwen2_5_VLVisionAttention:
-            block.attn.__class__ = GroupedVisionAttention
+        grouped = GROUPED.get(type(block.attn))
+        if grouped is not None:
+            block.attn.__class__ = grouped

@@ -75,7 +75,7 @@ PY
 # printed after it, which is what comes back of the command's output.
 tests()   {  # their own Ray, as in CI
   env -u RAY_ADDRESS -u RAY_AUTH_MODE -u RAY_AUTH_TOKEN_PATH -u RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER \
-    python3 -m pytest -m gpu tests/ -q -rs --durations=5 > "$OUT/pytest_gpu.log" 2>&1
+    python3 -m pytest -m gpu ${TESTS_K:+-k "$TESTS_K"} tests/ -q -rs --durations=5 > "$OUT/pytest_gpu.log" 2>&1
 }
 one_gpu() {  # the photos, packed, unless SIDES; MODEL=tiny: the tiny shape (how this script is checked on a CPU)
   local model=(--model "${MODEL:-qwen2_5_vl_3b}")

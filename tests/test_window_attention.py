@@ -38,17 +38,20 @@ def _run(visual, grid: torch.Tensor, pixels: torch.Tensor, weights: torch.Tensor
     return out.detach(), {n: p.grad.clone() for n, p in visual.named_parameters()}
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_grouped_attention_matches_transformers(implementation, monkeypatch):
-    config = copy.deepcopy(architecture_config("tiny").vision_config)
+def _stock_and_grouped(vit_class, shape: str, implementation: str):
+    """(vision config, transformers' ViT of `shape`, a copy with dhp's grouped attention), fp32, training."""
+    config = copy.deepcopy(architecture_config(shape).vision_config)
     config._attn_implementation = implementation
     torch.manual_seed(0)
-    stock = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32).train()
+    stock = vit_class._from_config(config, dtype=torch.float32).train()
     grouped = copy.deepcopy(stock)
     group_segment_attention(grouped)
-    assert all(type(b.attn) is GroupedVisionAttention for b in grouped.blocks)
-    assert all(type(b.attn) is not GroupedVisionAttention for b in stock.blocks)
+    return config, stock, grouped
 
+
+def _count_calls(implementation: str, monkeypatch) -> tuple[list[int], object]:
+    """Count the calls of the attention function (eager has none in the registry): (each call's batch, the real
+    function or None)."""
     calls = []
     real = AttentionInterface._global_mapping[implementation] if implementation != "eager" else None
 
@@ -58,6 +61,15 @@ def test_grouped_attention_matches_transformers(implementation, monkeypatch):
 
     if real is not None:
         monkeypatch.setitem(AttentionInterface._global_mapping, implementation, counting)
+    return calls, real
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_grouped_attention_matches_transformers(implementation, monkeypatch):
+    config, stock, grouped = _stock_and_grouped(Qwen2_5_VisionTransformerPretrainedModel, "tiny", implementation)
+    assert all(type(b.attn) is GroupedVisionAttention for b in grouped.blocks)
+    assert all(type(b.attn) is not GroupedVisionAttention for b in stock.blocks)
+    calls, real = _count_calls(implementation, monkeypatch)
     grid = torch.tensor(GRIDS)
     g = torch.Generator().manual_seed(1)
     pixels = torch.randn(int(grid.prod(-1).sum()), 1176, generator=g)
@@ -75,6 +87,41 @@ def test_grouped_attention_matches_transformers(implementation, monkeypatch):
         assert len(calls) <= 2 * 4 + 2 * 3 < stock_calls
         windows, images = _segments(grouped, grid)
         assert sum(calls) == 2 * windows + 2 * images  # two windowed and two full-attention blocks
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_grouped_attention_matches_transformers_qwen3_vl(implementation, monkeypatch):
+    """Qwen3-VL's encoder (full attention in every block, DeepStack mergers): dhp's grouped attention against
+    transformers' stock per-segment loop on images of three sizes and a two-frame-pair video; the merged output,
+    every DeepStack feature and every gradient, fp32; one call per distinct length in each block."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    from dhp.models.window_attention import GroupedQwen3VisionAttention
+
+    config, stock, grouped = _stock_and_grouped(Qwen3VLVisionModel, "qwen3_vl_tiny", implementation)
+    assert all(type(b.attn) is GroupedQwen3VisionAttention for b in grouped.blocks)
+    calls, real = _count_calls(implementation, monkeypatch)
+    grid = torch.tensor([[1, 16, 20], [2, 8, 12], [1, 8, 8], [1, 4, 6]])
+    g = torch.Generator().manual_seed(1)
+    patches = int(grid.prod(-1).sum())
+    pixels = torch.randn(patches, config.in_channels * config.temporal_patch_size * config.patch_size**2, generator=g)
+    outs, grads = [], []
+    for visual in (stock, grouped):
+        calls.clear()
+        visual.zero_grad(set_to_none=True)
+        out = visual(pixels, grid_thw=grid)
+        features = [out.pooler_output, *out.deepstack_features]
+        torch.manual_seed(2)
+        sum((f * torch.randn_like(f)).sum() for f in features).backward()
+        outs.append([f.detach() for f in features])
+        grads.append({n: p.grad.clone() for n, p in visual.named_parameters()})
+    assert len(outs[1]) == 1 + len(config.deepstack_visual_indexes)
+    for ours, theirs in zip(outs[1], outs[0]):
+        assert rel_err(ours, theirs) < TOL
+    for name, ref in grads[0].items():
+        assert rel_err(grads[1][name], ref) < TOL, name
+    if real is not None:  # four lengths: 320, 96 (the video's two frame pairs), 64, 24 patches
+        assert len(calls) == 4 * len(grouped.blocks)
 
 
 def _segments(visual, grid) -> tuple[int, int]:

@@ -100,8 +100,11 @@ class ModelFamily:
 
     def vision_attention_ops(self, lengths: list[int]) -> int:
         """Ops a full-attention vision block dispatches beyond `vision_block_ops` over attention segments of these
-        lengths (images, a video's temporal patches): transformers' SDPA path calls attention once per segment."""
-        return max(0, len(lengths) - 1)
+        lengths (images, a video's temporal patches). dhp's grouped attention (models/window_attention.py), which
+        both families' ViTs use: one call per distinct length; past one, each group's q/k/v gathers and its
+        call, then the concatenation and the gather back to sequence order."""
+        groups = len(set(lengths))
+        return 0 if groups <= 1 else 4 * groups + 1
 
     # Linears of one vision block's MLP: 3 for a gated MLP (gate, up, down), 2 for a plain one (the FLOP count)
     vision_mlp_linears: ClassVar[int] = 3

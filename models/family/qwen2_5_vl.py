@@ -139,12 +139,6 @@ class Qwen2_5_VL(ModelFamily):
     def full_attention_blocks(self, vision_config: Any) -> list[int]:
         return list(vision_config.fullatt_block_indexes)
 
-    def vision_attention_ops(self, lengths: list[int]) -> int:
-        # dhp's grouped attention (models/window_attention.py): one call per distinct length; past one, each
-        # group's q/k/v gathers and its call, then the concatenation and the gather back to sequence order
-        groups = len(set(lengths))
-        return 0 if groups <= 1 else 4 * groups + 1
-
     def vision_tp_role(self, name: str) -> tuple[str, str, bool] | None:
         return tp_role(_VISION_TP, name)
 

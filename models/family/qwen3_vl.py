@@ -128,7 +128,7 @@ class Qwen3_VL(ModelFamily):
     vision_mlp_linears = 2  # linear_fc1, linear_fc2
     vision_layer_norm = True
     text_head_norms = ("q_norm", "k_norm")
-    vision_block_ops = 22
+    vision_block_ops = 20
     vision_merger_ops = 4  # the merger and each DeepStack merger
 
     @property

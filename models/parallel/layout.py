@@ -174,7 +174,9 @@ class VitShape(NamedTuple):
         hd, d = self.d // self.h, self.d
         # RMSNorm keeps x, rsqrt, x * rsqrt; LayerNorm x, mean, rstd; the output is saved by the next Linear
         norm = 2 * d + 2 if self.layer_norm else 3 * d + 1
-        attn = 7 * d + self.h  # q_rot, k_rot, the qkv output (v is a view of it), attention out, proj input; lse
+        # q_rot, k_rot, the qkv output (v is a view of it), attention out, proj input; lse. As transformers' loop
+        # keeps them; dhp's grouped attention keeps up to 2 D less (tests/test_qwen3_vl_plan.py): an upper bound
+        attn = 7 * d + self.h
         mlp = 4 * self.i if self.gated else 2 * self.i  # gate, act(gate), up, act * up; or fc1 out, act(fc1 out)
         merger_mlp = 2 * d  # GELU input and output, [P/4, 4D] each, per merger
         # a DeepStack merger's norm takes a block's output (kept anyway) after the merge: its output, mean, rstd
