@@ -123,8 +123,8 @@ def segment_attention(
         )[0]
         return out.reshape(s, heads, hd)
     if s and not dropout and attn.config._attn_implementation == "sdpa" and _torch_varlen_usable(q):
-        # SDPA's own flash kernel, over every segment in one call (models/torch_varlen.py)
-        # the longest segment from the cached grouping: read on the host once per cu_seqlens, not once per block
+        # torch's varlen flash attention, every segment in one call (models/torch_varlen.py); the longest segment
+        # from the cached grouping: read on the host once per cu_seqlens, not once per block
         longest = max_seqlen if max_seqlen is not None else max(n for n, _, _ in segment_groups(cu_seqlens).groups)
         cu = cu_seqlens.to(q.device, torch.int32)
         return torch_varlen.attend(q, k, v, cu, int(longest), causal=False, scale=attn.scaling)
