@@ -69,12 +69,22 @@ def test_measured_rows_agree_with_the_formula(quick):
             m, f = r[f"{key}_bytes_per_rank"], r[f"{key}_bytes_formula"]
             assert (m == f == 0) or abs(f / m - 1) <= 0.15, (r["layout"], r["degree"], key, m, f)
     # Qwen3-VL's tiny ViT (every block full attention, the position embedding, two DeepStack mergers): the counts
-    # are the formula's to within 1 %, so a dropped merger (a third of the merged output) or position term shows
+    # are the formula's to within 1 %, so a dropped merger (a third of the merged output) or position term shows.
+    # The formula's attention term is transformers' per-segment loop, an upper bound on dhp's grouped attention
+    # (unsharded and under tensor parallelism, each rank's heads), which keeps up to 2 D a patch and block less (D / N
+    # under TP N), plus its groups' indices (2 int64 a patch)
     qwen3 = [r for r in measured if r["shape"] == bench.QWEN3]
     assert {(r["layout"], r["degree"]) for r in qwen3} == {("none", 1)} | {(lay, 2) for lay in bench.QWEN3_LAYOUTS}
+    vit = bench.measured_shape(bench.QWEN3)
     for r in qwen3:
         for key in ("comm", "grad_sync", "activation"):
-            assert r[f"{key}_ratio"] == pytest.approx(1, abs=0.01), (r["layout"], key, r[f"{key}_ratio"])
+            ratio = r[f"{key}_ratio"]
+            if key == "activation" and r["layout"] in ("none", "tensor"):
+                formula, heads = r["activation_bytes_formula"], r["degree"] if r["layout"] == "tensor" else 1
+                least = formula - (2 * vit.d // heads * vit.depth * 4 + 2 * 8) * r["seq_len"]
+                assert 0.99 <= ratio <= formula / least, (r["layout"], key, ratio)
+            else:
+                assert ratio == pytest.approx(1, abs=0.01), (r["layout"], key, ratio)
 
 
 def test_measured_tensor_and_zero3_bytes_are_what_the_implementations_send(quick):
