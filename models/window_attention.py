@@ -54,6 +54,11 @@ class SegmentGroups:
     inverse: torch.Tensor | None
     _on: dict[torch.device, tuple] = field(default_factory=dict)
 
+    @property
+    def longest(self) -> int:
+        """The longest segment's length (0 when there is none)."""
+        return max((length for length, _, _ in self.groups), default=0)
+
     def on(self, device: torch.device) -> tuple[list[tuple[int, int, slice | torch.Tensor]], torch.Tensor | None]:
         """The groups' index tensors on `device` (moved once per device)."""
         if device not in self._on:
@@ -108,26 +113,26 @@ def segment_attention(
 ) -> torch.Tensor:
     """Bidirectional attention inside each segment of cu_seqlens: q/k/v [S, h, hd] -> [S, h, hd]. `attn`: a
     `Qwen2_5_VLVisionAttention` (its config picks the attention function; its scaling and dropout apply).
-    `max_seqlen`: the longest segment, if the caller knows it (flash-attn's varlen kernel needs it; else it is
-    read from cu_seqlens, a device sync when that is on the device)."""
+    `max_seqlen`: the longest segment, if the caller knows it (the varlen kernels need it; else it is read from
+    cu_seqlens once per tensor, through the cached grouping)."""
     s, heads, hd = q.shape
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     dropout = attn.attention_dropout if attn.training else 0.0
     common = dict(attention_mask=None, scaling=attn.scaling, dropout=dropout, is_causal=False, **kwargs)
-    if s and is_flash_attention_requested(attn.config):  # the varlen kernel takes the segments as they are
+    flash_attn = is_flash_attention_requested(attn.config)
+    sdpa_varlen = not dropout and attn.config._attn_implementation == "sdpa" and _torch_varlen_usable(q)
+    if s and (flash_attn or sdpa_varlen):
+        # a varlen kernel takes the segments as they are (flash-attn's, or torch's: models/torch_varlen.py); the
+        # longest segment from the cached grouping: read on the host once per cu_seqlens, not once per block
         cu = cu_seqlens.to(q.device, torch.int32)
-        longest = int(max_seqlen) if max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+        longest = int(max_seqlen) if max_seqlen is not None else segment_groups(cu_seqlens).longest
+        if not flash_attn:
+            return torch_varlen.attend(q, k, v, cu, longest, causal=False, scale=attn.scaling)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
         out = interface(
             attn, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **common
         )[0]
         return out.reshape(s, heads, hd)
-    if s and not dropout and attn.config._attn_implementation == "sdpa" and _torch_varlen_usable(q):
-        # torch's varlen flash attention, every segment in one call (models/torch_varlen.py); the longest segment
-        # from the cached grouping: read on the host once per cu_seqlens, not once per block
-        longest = max_seqlen if max_seqlen is not None else max(n for n, _, _ in segment_groups(cu_seqlens).groups)
-        cu = cu_seqlens.to(q.device, torch.int32)
-        return torch_varlen.attend(q, k, v, cu, int(longest), causal=False, scale=attn.scaling)
     plan = segment_groups(cu_seqlens)
     if plan.total != s:
         raise ValueError(f"cu_seqlens covers {plan.total} rows but q has {s}")

@@ -146,7 +146,8 @@ def test_group_segments_rows_and_order():
     assert mixed.groups[1][2].tolist() == [4, 5, 10, 11]
     order = torch.cat([r for _, _, r in mixed.groups])
     assert torch.equal(order[mixed.inverse], torch.arange(12))
-    assert group_segments(torch.tensor([0])).groups == []
+    assert (one.longest, mixed.longest) == (4, 4)
+    assert group_segments(torch.tensor([0])).groups == [] and group_segments(torch.tensor([0])).longest == 0
 
 
 def test_segment_groups_cached_per_tensor_until_changed():
