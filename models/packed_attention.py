@@ -48,6 +48,12 @@ PACKED_SDPA = "dhp_packed_sdpa"
 PACKED_TORCH_VARLEN = "dhp_packed_torch_varlen"
 
 
+def _check_packed(query: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """What both packed attention functions take: one row, no mask."""
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError("a packed sequence is one row with no attention mask: its samples are its cu_seqlens")
+
+
 def packed_sdpa_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -63,8 +69,7 @@ def packed_sdpa_forward(
     [1, T, h, hd] (what `sdpa_attention_forward` returns). Without `cu_seq_lens_q`, `sdpa_attention_forward`."""
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if attention_mask is not None or query.shape[0] != 1:
-        raise ValueError("a packed sequence is one row with no attention mask: its samples are its cu_seqlens")
+    _check_packed(query, attention_mask)
     heads, total, dim = query.shape[1:]
     plan = segment_groups(cu_seq_lens_q)
     if plan.total != total:
@@ -99,8 +104,7 @@ def packed_torch_varlen_forward(
         return packed_sdpa_forward(
             module, query, key, value, attention_mask, dropout, scaling, cu_seq_lens_q=cu_seq_lens_q, **kwargs
         )
-    if attention_mask is not None or query.shape[0] != 1:
-        raise ValueError("a packed sequence is one row with no attention mask: its samples are its cu_seqlens")
+    _check_packed(query, attention_mask)
     if dropout:
         raise ValueError(f"torch's varlen attention has no dropout, but the decoder asks for {dropout}")
     # [1, heads, T, hd] -> [T, heads, hd]
