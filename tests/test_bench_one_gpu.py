@@ -189,10 +189,8 @@ def test_fit_is_the_presets_precision_with_the_least_recomputation_the_plan_fits
     then. On a 141 GB H200 fp32 fits with less recomputation. Whatever is chosen, no other pair of checkpointing
     options that fits at that precision recomputes fewer forward FLOPs."""
     from dhp.dataflow.packing import MicroBatchMeta
-    from dhp.models.activation_checkpointing import ActivationCheckpointing
-    from dhp.models.planning.flops import text_linear_flops_per_token, vision_linear_flops_per_patch
     from dhp.models.planning.memory_plan import plan
-    from dhp.scripts.bench.one_gpu import CHECKPOINTING, Fit, _settings, choose_fit
+    from dhp.scripts.bench.one_gpu import CHECKPOINTING, Fit, _settings, choose_fit, recomputed_flops
     from dhp.stages.config import load_config
     from dhp.stages.trainer import model_config_of
 
@@ -202,21 +200,14 @@ def test_fit_is_the_presets_precision_with_the_least_recomputation_the_plan_fits
     fit = functools.partial(choose_fit, "qwen2_5_vl_7b", settings, mc)
     full = ("full", 1)
 
-    def recomputed(f: Fit, m: MicroBatchMeta) -> float:
-        per = {
-            "vision": vision_linear_flops_per_patch(mc.vision_config) * m.patches / mc.vision_config.depth,
-            "text": text_linear_flops_per_token(mc.text_config) * m.padded_tokens / mc.text_config.num_hidden_layers,
-        }
-        layers = {"vision": mc.vision_config.depth, "text": mc.text_config.num_hidden_layers}
-        return sum(per[s] * len(ActivationCheckpointing(*c).chosen(layers[s])) for s, c in f.checkpointing.items())
-
     def least(f: Fit, m: MicroBatchMeta, gib: float) -> bool:
         fitting = [
             other
             for other in (Fit(f.precision, {"vision": v, "text": t}) for v in CHECKPOINTING for t in CHECKPOINTING)
             if plan(load_config("qwen2_5_vl_7b", [*settings, *other.settings]), mc, gib, m.patches)["fits"]
         ]
-        return f in fitting and all(recomputed(f, m) <= recomputed(o, m) for o in fitting)
+        cost = functools.partial(recomputed_flops, mc, m)
+        return f in fitting and all(cost(f.checkpointing) <= cost(o.checkpointing) for o in fitting)
 
     assert fit(small, 78.0) == Fit("fp32", {"vision": full, "text": full})
     on_h100 = fit(photos, 78.0)

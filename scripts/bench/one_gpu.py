@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import itertools
 import json
 import os
 import platform
@@ -525,6 +526,23 @@ def _checkpointing(stage: Any) -> tuple[str, int]:
     return mode, stage.activation_checkpointing_every if mode == "every_n" else 1
 
 
+def recomputed_flops(mc: Any, largest: Any, checkpointing: dict[str, tuple[str, int]]) -> float:
+    """Forward FLOPs of the micro-batch `largest` (a `MicroBatchMeta`) that each pool's checkpointing (pool ->
+    (mode, every)) recomputes: its blocks' share of the pool's linear FLOPs (`models/planning/flops.py`)."""
+    from dhp.models.activation_checkpointing import ActivationCheckpointing
+    from dhp.models.planning.flops import text_linear_flops_per_token, vision_linear_flops_per_patch
+
+    forward = {
+        "vision": vision_linear_flops_per_patch(mc.vision_config) * largest.patches,
+        "text": text_linear_flops_per_token(mc.text_config) * largest.padded_tokens,
+    }
+    layers = {"vision": mc.vision_config.depth, "text": mc.text_config.num_hidden_layers}
+    return sum(
+        forward[stage] * len(ActivationCheckpointing(*option).chosen(layers[stage])) / layers[stage]
+        for stage, option in checkpointing.items()
+    )
+
+
 def choose_fit(
     base: str, settings: list[str], mc: Any, largest: Any, device_gib: float | None, asked: str | None = None
 ) -> Fit:
@@ -535,8 +553,6 @@ def choose_fit(
     forward FLOPs of that micro-batch (`models/planning/flops.py`'s per-patch and per-token counts), so the device
     spends its time on the step, not on recomputation. Raises when nothing fits (a bench that would run out of
     memory after spending its time). No device (CPU): the preset's precision and checkpointing."""
-    from dhp.models.activation_checkpointing import ActivationCheckpointing
-    from dhp.models.planning.flops import text_linear_flops_per_token, vision_linear_flops_per_patch
     from dhp.models.planning.memory_plan import GIB, plan
     from dhp.stages.config import load_config
 
@@ -544,24 +560,14 @@ def choose_fit(
     if device_gib is None:
         pools = {s: _checkpointing(getattr(preset, s)) for s in STAGES}
         return Fit(asked or preset.model.precision, pools)
-    forward = {
-        "vision": vision_linear_flops_per_patch(mc.vision_config) * largest.patches,
-        "text": text_linear_flops_per_token(mc.text_config) * largest.padded_tokens,
-    }
-    layers = {"vision": mc.vision_config.depth, "text": mc.text_config.num_hidden_layers}
-
-    def recomputed(stage: str, option: tuple[str, int]) -> float:
-        chosen = len(ActivationCheckpointing(*option).chosen(layers[stage]))
-        return forward[stage] * chosen / layers[stage]
-
     pairs = sorted(
-        ((v, t) for v in CHECKPOINTING for t in CHECKPOINTING),
-        key=lambda pair: recomputed("vision", pair[0]) + recomputed("text", pair[1]),
+        (dict(zip(STAGES, pair)) for pair in itertools.product(CHECKPOINTING, repeat=len(STAGES))),
+        key=lambda checkpointing: recomputed_flops(mc, largest, checkpointing),
     )
     tried = []
     for precision in [asked] if asked else dict.fromkeys([preset.model.precision, "bf16"]):
-        for pair in pairs:
-            fit = Fit(precision, dict(zip(STAGES, pair)))
+        for checkpointing in pairs:
+            fit = Fit(precision, checkpointing)
             result = plan(load_config(base, [*settings, *fit.settings]), mc, device_gib, vision_patches=largest.patches)
             if result["fits"]:
                 return fit
