@@ -66,11 +66,11 @@ def _cu(lengths, device="cpu") -> torch.Tensor:
     return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
 
 
-def _qkv(heads=4, kv_heads=2, dim=16, device="cpu", dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def _qkv(kv_heads: int = 2, heads: int = 4, dim: int = 16) -> tuple[torch.Tensor, ...]:
+    """q [1, heads, T, dim], k/v [1, kv_heads, T, dim] over `LENGTHS`, fp32 leaves, the same draws every call."""
+    g = torch.Generator().manual_seed(0)
     total = sum(LENGTHS)
-    make = lambda h: torch.randn(1, h, total, dim, generator=g).to(device, dtype).requires_grad_()  # noqa: E731
-    return make(heads), make(kv_heads), make(kv_heads)
+    return tuple(torch.randn(1, h, total, dim, generator=g).requires_grad_() for h in (heads, kv_heads, kv_heads))
 
 
 MODULE = type("M", (), {"num_key_value_groups": 2, "is_causal": True})()
