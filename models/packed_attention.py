@@ -70,6 +70,11 @@ def packed_sdpa_forward(
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     _check_packed(query, attention_mask)
+    return _attend_per_sample(module, query, key, value, dropout, scaling, cu_seq_lens_q), None
+
+
+@torch.compiler.disable  # one call per sample length, chosen on the host: run as Python inside a compiled block
+def _attend_per_sample(module, query, key, value, dropout, scaling, cu_seq_lens_q: torch.Tensor) -> torch.Tensor:
     heads, total, dim = query.shape[1:]
     plan = segment_groups(cu_seq_lens_q)
     if plan.total != total:
@@ -82,7 +87,7 @@ def packed_sdpa_forward(
         out, _ = sdpa_attention_forward(module, a, b, c, None, dropout, scaling, is_causal=True)
         outs.append(out.reshape(count * length, heads, dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return (out if inverse is None else out[inverse]).unsqueeze(0), None
+    return (out if inverse is None else out[inverse]).unsqueeze(0)
 
 
 def packed_torch_varlen_forward(

@@ -92,6 +92,7 @@ def group_segments(cu_seqlens: torch.Tensor) -> SegmentGroups:
 _GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cu_seqlens tensor -> (its _version, SegmentGroups)
 
 
+@torch.compiler.disable  # host work on a tensor's values: a compiled block (models/compilation.py) runs it as Python
 def segment_groups(cu_seqlens: torch.Tensor) -> SegmentGroups:
     """`group_segments`, cached per tensor object (recomputed if it was modified in place)."""
     version = -1 if cu_seqlens.is_inference() else cu_seqlens._version  # inference tensors keep no counter
@@ -125,7 +126,7 @@ def segment_attention(
         # a varlen kernel takes the segments as they are (flash-attn's, or torch's: models/torch_varlen.py); the
         # longest segment from the cached grouping: read on the host once per cu_seqlens, not once per block
         cu = cu_seqlens.to(q.device, torch.int32)
-        longest = int(max_seqlen) if max_seqlen is not None else segment_groups(cu_seqlens).longest
+        longest = int(max_seqlen) if max_seqlen is not None else _longest(cu_seqlens)
         if not flash_attn:
             return torch_varlen.attend(q, k, v, cu, longest, causal=False, scale=attn.scaling)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
@@ -133,6 +134,18 @@ def segment_attention(
             attn, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **common
         )[0]
         return out.reshape(s, heads, hd)
+    return _attend_by_length(interface, attn, q, k, v, cu_seqlens, common)
+
+
+@torch.compiler.disable  # one call per segment length, chosen on the host: run as Python inside a compiled block
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    return segment_groups(cu_seqlens).longest
+
+
+@torch.compiler.disable  # likewise
+def _attend_by_length(interface, attn, q, k, v, cu_seqlens: torch.Tensor, common: dict) -> torch.Tensor:
+    """`segment_attention` without a varlen kernel: the segments of each length stacked along the batch."""
+    s, heads, hd = q.shape
     plan = segment_groups(cu_seqlens)
     if plan.total != s:
         raise ValueError(f"cu_seqlens covers {plan.total} rows but q has {s}")

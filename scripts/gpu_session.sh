@@ -29,7 +29,8 @@
 # the shard; default all 32, packed), SIDES (one-gpu: square noise images of these sides in px instead of the
 # photos, e.g. 448,896,1792), BENCH_STEPS (one-gpu's measured steps per workload, default the bench's: 8 for the
 # photos, 20 a side), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc; default
-# host), PROFILE (one-gpu: this many profiled steps, after one warm-up, of each one-process loop and of dhp's
+# host), COMPILE (one-gpu: inductor compiles the blocks of dhp and of the loop of dhp's kernels; default off),
+# PROFILE (one-gpu: this many profiled steps, after one warm-up, of each one-process loop and of dhp's
 # actors; default 1; 0: none), RAY_CPUS (the Ray's CPUs, default 8: the peers ask for 8), LIMIT_S (one step
 # alone: its limit, default 570; e.g. 220 for the tests as a second command on a warm machine), BUNDLE (`none`:
 # no bundle to unpack or install; the python3 on PATH has dhp and its packages: how tests/test_bench_one_gpu.py
@@ -84,6 +85,7 @@ one_gpu() {  # the photos, packed, unless SIDES; MODEL=tiny: the tiny shape (how
   [ -n "${SIDES:-}" ] && model+=(--sides "$SIDES")
   [ -n "${BENCH_STEPS:-}" ] && model+=(--steps "$BENCH_STEPS")
   [ -n "${BOUNDARIES:-}" ] && model+=(--boundaries "$BOUNDARIES")
+  [ -n "${COMPILE:-}" ] && model+=(--compile "$COMPILE")
   python3 -m dhp.stages.cli bench one-gpu "${model[@]}" --profile "${PROFILE:-1}" --json "$OUT/one_gpu.json" \
     > "$OUT/one_gpu.log" 2>&1
 }

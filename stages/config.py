@@ -62,6 +62,9 @@ class StageConfig:
     weight_decay: float | None = None  # the stage's main module (None: training.weight_decay)
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"  # recompute blocks in backward
     activation_checkpointing_every: int = 2  # every_n: blocks 0, N, 2N, ... recompute
+    # torch.compile each block's forward: inductor (fused kernels; the first micro-batch compiles), aot_eager (traced,
+    # not fused: a check that it compiles), off (models/compilation.py)
+    compile: Literal["off", "inductor", "aot_eager"] = "off"
 
 
 @dataclass

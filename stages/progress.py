@@ -10,6 +10,9 @@ inside a block completes between two of those hooks, so a rank waiting in one do
 (None: idle, e.g. waiting for its inputs) and where it stands: the last hook's block and module, and the
 innermost lines of the call's thread.
 
+Where a block's forward is compiled (`vision.compile`, `text.compile`), its hooks sit on the block, outside the
+compiled code: the counter then moves once a block in each direction.
+
 The cost: one Python call per module of a block per forward, and one tensor hook per module output per
 training forward (a few hundred per micro-batch at 72B; microseconds each).
 """
@@ -26,6 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
+
+from dhp.models.compilation import compiled
 
 
 class Progress:
@@ -56,11 +61,18 @@ class Progress:
             self.move()
 
     def watch(self, blocks: Sequence[nn.Module]) -> list[Any]:
-        """Hooks on every module that holds parameters of each block (returned, for `.remove()`)."""
+        """Hooks on every module that holds parameters of each block (returned, for `.remove()`). A compiled module
+        (models/compilation.py) is watched as a whole, and nothing inside it: a hook inside a compiled forward would
+        be traced with it, or split its graph, rather than run as Python in every call."""
         handles = []
         for i, block in enumerate(blocks):
+            inside_compiled: list[str] = []
             for name, module in block.named_modules():
-                if next(module.parameters(recurse=False), None) is None:
+                if any(name.startswith(outer + ".") or not outer for outer in inside_compiled):
+                    continue
+                if compiled(module):
+                    inside_compiled.append(name)
+                elif next(module.parameters(recurse=False), None) is None:
                     continue
                 label = f"block {i}" + (f" {name}" if name else "")
                 handles += [

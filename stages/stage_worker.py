@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dhp.models.activation_checkpointing import ActivationCheckpointing
+from dhp.models.compilation import BlockCompile, compile_stats
 from dhp.models.fine_tuning import FineTuning, group_lrs
 from dhp.models.optimizer import adamw_of, device_type_of, warmup_cosine_schedule
 from dhp.models.parallel.layout import NOT_SHARDED, SKIP_SYNC
@@ -150,6 +151,8 @@ class StageWorker(DistributedWorker):
         self.adapt()
         self.activation_checkpointing = ActivationCheckpointing.of(self.stage_cfg)
         self.activation_checkpointing.apply(self.model.blocks())
+        self.block_compile = BlockCompile.of(self.stage_cfg)
+        self.block_compile.apply(self.layout.compile_units(self.model))
         self.progress.watch(self.model.blocks())  # the heartbeat's progress (stages/progress.py)
         self.optimizer = self.scheduler = None  # a frozen stage: no optimizer state at all
         if self.trains:
@@ -177,6 +180,12 @@ class StageWorker(DistributedWorker):
         """`DistributedWorker.leave`, dropping the model and optimizer built on the groups that go."""
         self.model = self.optimizer = self.scheduler = None
         super().leave(world_size)
+
+    def compiled(self) -> dict[str, Any]:
+        """This rank's `compile` setting, how many units it compiled and what torch compiled so far
+        (models/compilation.py `compile_stats`)."""
+        units = self.layout.compile_units(self.model) if self.block_compile.on else []
+        return {"backend": self.block_compile.backend, "units": len(units), **compile_stats()}
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError

@@ -40,6 +40,7 @@ def start_early(out: Path, fixtures: set[str]) -> None:
             "STEPS": "one_gpu peers",
             "BENCH_STEPS": "1",
             "BOUNDARIES": "host,cuda_ipc",
+            "COMPILE": "aot_eager",
             "PROFILE": "1",
             "OUT": str(out),
         }
@@ -93,7 +94,7 @@ def _args(path, **changes) -> argparse.Namespace:
 @pytest.mark.slow  # reads the GPU script's run
 def test_three_systems_train_the_same_packed_photos(gpu_session):
     """The one_gpu step of the GPU script's run: `dhp bench one-gpu --quick --steps 1 --profile 1 --boundaries
-    host,cuda_ipc`."""
+    host,cuda_ipc --compile aot_eager`."""
     run_dir = gpu_session
     result = json.loads((run_dir / "one_gpu.json").read_text())
     assert result["complete"] and "failed" not in result
@@ -104,6 +105,8 @@ def test_three_systems_train_the_same_packed_photos(gpu_session):
     assert result["timings"].startswith("CPU timings") and result["model"] == "tiny"
     assert result["text_attention"] == "sdpa_segments"  # no GPU: torch's varlen kernel runs on CUDA only
     assert result["precision"] == "fp32" and result["device_gib"] is None  # no device: the preset's
+    # COMPILE=aot_eager: dhp's pools compiled their blocks (the losses below agree with the stock loop's)
+    assert result["compile"] == "aot_eager"
     # the first 4 photos of the shard, packed into micro-batches of at most 256 tokens: several a step
     (workload,) = result["workloads"]
     assert workload["name"] == "photos" and workload["samples"] == 4
@@ -112,6 +115,7 @@ def test_three_systems_train_the_same_packed_photos(gpu_session):
     rows = {r["system"]: r for r in result["rows"]}
     assert [r["system"] for r in result["rows"]] == SYSTEMS
     dhp, stock, kernels = (rows[s] for s in SYSTEMS)
+    assert all(dhp["compiled"][s]["units"] > 0 and dhp["compiled"][s]["graphs"] > 0 for s in ("vision", "text"))
 
     # the same batches: every count but the padded slots, which only the stock loop has
     counts = [{k: v for k, v in r["trained"].items() if k != "padded_tokens"} for r in (dhp, stock, kernels)]

@@ -323,6 +323,10 @@ def check_parity(
             assert abs(grad_norm - ref_norm) / ref_norm <= 1e-5, (step, grad_norm, ref_norm)
             assert lrs == expected.lrs[step]
         assert grad_norm > cfg.training.max_grad_norm or step == 0  # clipping was exercised at least once
+        for pool, stage in ((trainer.vision, cfg.vision), (trainer.text, cfg.text)):  # compiled where asked, each rank
+            for rank, compiled in enumerate(pool.execute_all("compiled")):
+                assert (compiled["units"] > 0) == (stage.compile != "off"), (pool.name, rank, compiled)
+                assert stage.compile == "off" or compiled["graphs"] > 0, (pool.name, rank, compiled)
 
         params = collect(trainer)
         for name, p in expected.params.items():

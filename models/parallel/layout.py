@@ -271,6 +271,11 @@ class Layout:
     def apply(self, model: nn.Module, ranks: PoolRanks) -> None:
         """Parallelize `model` (identical on every rank) in place; build the optimizer afterwards."""
 
+    def compile_units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose forward `vision.compile` / `text.compile` compiles (models/compilation.py): the
+        blocks, where the layout calls each block as a whole."""
+        return model.blocks()
+
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         """Allocate the laid-out meta parameters (models/weights/materialize.py); values come after (load or init)."""
         from dhp.models.weights.materialize import materialize_params

@@ -199,6 +199,11 @@ class SequenceParallel(Layout):
 
     vit_collective = "all_to_all"
 
+    def compile_units(self, model: nn.Module) -> list[nn.Module]:
+        """`sp_vision_forward` calls a block's parts itself, around the attention's all-to-alls: its two norms and
+        its MLP are what compiles (the attention's projections are single matrix products)."""
+        return [part for block in model.blocks() for part in (block.norm1, block.norm2, block.mlp)]
+
     @property
     def work_shards(self) -> int:
         return self.degree

@@ -25,6 +25,10 @@ Systems, on the same device, one after the other in the same process tree, on th
   one process, dhp kernels dhp's own modules, optimizer and clipped step in one process: grouped window attention,
                            packed per-sample attention, fused AdamW (`run_same_kernels`).
 
+`--compile inductor` compiles both pools' blocks in dhp and in the loop of dhp's kernels (`vision.compile`,
+`text.compile`: models/compilation.py); the stock loop stays what transformers runs. The warm-up step then
+includes the compilation, and dhp's rows keep what each pool compiled (graphs and graph breaks).
+
 Per workload and system: the median step after one warm-up step, each step's loss, what it trained (the same
 counts for all three, padding aside), vision tokens/s (ViT patches), text tokens/s (decoder tokens, image
 placeholders included, padding not), model TFLOP/s and MFU (`run_log.throughput`, dhp's own FLOP count and peak),
@@ -457,6 +461,7 @@ def run_dhp(
             for f in (_peak_bytes, _peak_reserved)
         )
         peak = peak_of(cfg, trainer)
+        compiled = {stage: ray.get(pool.actors[0].compiled.remote()) for stage, pool in trainer.pools()}
         boundary = boundary_seconds(e for e in trainer.traced_events() if e["step"] > 1)  # the warm-up is step 1
         # after the measured steps, so the profiler's overhead is in none of them
         profiles = profile_dhp(trainer, batches, profile_steps) if profile_steps else None
@@ -474,6 +479,7 @@ def run_dhp(
         "peak_flops": peak.flops,
         "bubble": statistics.median(m["bubble"] for m in metrics[1:]),
         "boundary_s_per_microbatch": boundary,
+        "compiled": compiled,
         **({"profile": profiles} if profiles else {}),
     }
 
@@ -659,7 +665,7 @@ def rows_of(w: Workload, results: dict[str, dict[str, Any]], mc: Any, planned: d
                 "peak_bytes": r["peak_bytes"],
                 "peak_reserved_bytes": r["peak_reserved_bytes"],
                 "calls_s": r.get("calls_s", {}),
-                **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "profile") if k in r},
+                **{k: r[k] for k in ("bubble", "boundary_s_per_microbatch", "compiled", "profile") if k in r},
                 "planned_bytes": planned if system.startswith("dhp") else {},
                 "vision_tokens_per_s": rates["vision_tokens"] / r["step_s"],
                 "text_tokens_per_s": rates["text_tokens"] / r["step_s"],
@@ -693,6 +699,7 @@ def run(
     photos: int | None = None,
     shard: Path | None = None,
     trainers: Callable[[Any], Any] | None = None,
+    compile_backend: str = "off",
 ) -> dict[str, Any]:
     """Every system on each workload (the photos; or each side, smallest first); dhp once per `pipeline.boundary`
     in `boundaries` (a row each: "dhp" for host, "dhp cuda_ipc", ...). `on_workload` is handed the result so far
@@ -720,7 +727,9 @@ def run(
         "device_gib": device_gib,
         "workload": "sides" if sides else "photos",
         "steps": steps,
+        "compile": compile_backend,  # dhp's and the same-kernel loop's blocks (models/compilation.py)
     }
+    compiled = [f"{stage}.compile={compile_backend}" for stage in STAGES]
     had_ray, rows, failed = ray.is_initialized(), [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -731,7 +740,7 @@ def run(
             head["activation_checkpointing"] = {s: list(c) for s, c in fit.checkpointing.items()}
             print(f"fit: {fit.describe()}", flush=True)
             for w in todo:
-                settings = [*common, *w.settings, *fit.settings]
+                settings = [*common, *w.settings, *fit.settings, *compiled]
                 head.setdefault("workloads", []).append(_described(w))
                 ranks = plan(load_config(base, settings), mc, vision_patches=w.largest_patches())["ranks"]
                 planned = {s: p.total for s, p in ranks.items()} if cuda else {}
@@ -804,7 +813,8 @@ def _ratio(row: dict[str, Any], key: str) -> str:
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} on {result['device']} ({result['timings']}), {result['precision']}, "
-        f"packed text attention {result.get('text_attention', '?')}, median of {result['steps']} steps",
+        f"packed text attention {result.get('text_attention', '?')}, blocks compiled: {result.get('compile', 'off')}, "
+        f"median of {result['steps']} steps",
         "",
         "| workload | patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | padding "
         "| peak GiB[/reserved] (planned) | bubble | boundary ms/mb (share) | ÷ stock | ÷ same kernels |",
@@ -840,6 +850,13 @@ def table(result: dict[str, Any]) -> str:
                 f"({prof['device_gaps']['count']} gaps, {prof['device_gaps']['total_s'] * 1e3:.0f} ms); "
                 f"most device time: {top or 'none (no device)'}"
             )
+    for r in result["rows"]:
+        if result.get("compile", "off") != "off" and "compiled" in r:
+            done = ", ".join(
+                f"{stage} {c.get('graphs', '?')} graphs, {c.get('graph_breaks', '?')} breaks"
+                for stage, c in r["compiled"].items()
+            )
+            lines.append(f"\ncompiled in {r['workload']}, {r['system']}: {done}")
     for f in result.get("failed_boundaries", []):
         lines.append(f"\npipeline.boundary={f['boundary']} failed on {f['workload']}: {f['error'][:300]}")
     for f in result.get("failed", []):
@@ -873,6 +890,7 @@ def main(args: argparse.Namespace, trainers: Callable[[Any], Any] | None = None)
         args.photos,
         shard,
         trainers,
+        args.compile,
     )
     if args.json:
         write_json(args.json, result)
@@ -933,6 +951,12 @@ def add_parser(sub: Any) -> None:
         type=_boundaries,
         help="pipeline.boundary values to run dhp with, comma-separated, one row each (default host; "
         "host,cuda_ipc on a GPU compares Ray's object store with CUDA IPC)",
+    )
+    p.add_argument(
+        "--compile",
+        default="off",
+        choices=["off", "inductor", "aot_eager"],
+        help="vision.compile and text.compile for dhp and the loop of dhp's kernels (default off)",
     )
     p.add_argument(
         "--precision",

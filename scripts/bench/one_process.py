@@ -39,8 +39,10 @@ def trained(metas: list[Any]) -> dict[str, int]:
 
 def build_half(cfg: Any, mc: Any, stage: str, device: Any) -> Any:
     """`stage`'s model as a dhp rank of `cfg` builds it (models/stage_build.py: seed, precision, init or
-    checkpoint, fine-tuning's frozen parts), alone on `device`, with `cfg`'s activation checkpointing."""
+    checkpoint, fine-tuning's frozen parts), alone on `device`, with `cfg`'s activation checkpointing and
+    compilation."""
     from dhp.models.activation_checkpointing import ActivationCheckpointing
+    from dhp.models.compilation import BlockCompile
     from dhp.models.fine_tuning import FineTuning
     from dhp.models.parallel.layout import PoolRanks
     from dhp.models.parallel.layouts import stage_layout
@@ -50,9 +52,10 @@ def build_half(cfg: Any, mc: Any, stage: str, device: Any) -> Any:
     from dhp.models.weights.random_init import random_init
 
     build = (lambda: VisionModel(mc)) if stage == "vision" else (lambda: TextModel(mc, packed=cfg.data.packing))
+    layout = stage_layout(cfg, stage, mc)
     model, _ = build_stage(
         build,
-        stage_layout(cfg, stage, mc),
+        layout,
         PoolRanks(0, 1, 1, 0, 0, None, None, device),
         precision_of(cfg.model.precision),
         seed=cfg.model.init_seed,
@@ -61,6 +64,7 @@ def build_half(cfg: Any, mc: Any, stage: str, device: Any) -> Any:
         init=random_init(cfg.model.random_init),
     )
     ActivationCheckpointing.of(getattr(cfg, stage)).apply(model.blocks())
+    BlockCompile.of(getattr(cfg, stage)).apply(layout.compile_units(model))
     return model
 
 

@@ -1,0 +1,257 @@
+"""`vision.compile` / `text.compile` (models/compilation.py): compiled blocks compute what the eager ones do, compile
+where they should (the GPU's varlen path without a graph break in a decoder layer), and compile once for every packed
+length (no recompilation per micro-batch).
+
+On this CPU the GPU's varlen kernel is stood in for by a torch custom op of the same contract (per-segment SDPA
+inside; the real `varlen_attn` is a custom op too), so that dynamo sees an opaque call as it will on a GPU.
+`aot_eager` traces forward and backward as inductor would and runs the graphs op by op, in seconds; one slow test
+runs inductor itself. Through the pools: tests/test_packing.py's compiled layouts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+
+from dhp.models import torch_varlen
+from dhp.models.architectures import architecture_config
+from dhp.models.compilation import BACKENDS, BlockCompile, compiled
+from dhp.models.packed_attention import PACKED_SDPA, PACKED_TORCH_VARLEN, varlen_kernel
+from dhp.models.qwen2_5_vl import TextModel, VisionModel
+from dhp.stages.config import ConfigError, load_config
+from dhp.stages.progress import Progress
+from tests.conftest import rel_err
+from tests.test_torch_varlen import reference_varlen_attn
+
+LENGTHS = [[5, 1, 9, 4, 9], [7, 12, 3], [2, 2, 2, 30]]  # a new total and a new longest sample in each micro-batch
+GRIDS = [[[1, 16, 20], [1, 8, 8]], [[2, 8, 12]], [[1, 12, 12], [1, 4, 8], [1, 8, 8]]]
+
+
+@torch.library.custom_op("dhp_test::varlen_attn", mutates_args=())
+def _varlen_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float, causal: bool
+) -> torch.Tensor:
+    window = (-1, 0) if causal else (-1, -1)
+    return reference_varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=window).contiguous()
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu, longest, scale, causal):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("dhp_test::varlen_attn_backward", mutates_args=())
+def _varlen_backward_op(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention's backward per segment, written out (autograd is off inside a custom op): P = softmax(q k^T s),
+    dv = P^T g, dS = P (g v^T - rowsum(g o)), dq = dS k s, dk = dS^T q s."""
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        qs, ks, vs, gs = (t[a:b].transpose(0, 1).float() for t in (q, k, v, grad))  # [h, n, d]
+        scores = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        p = scores.softmax(-1)
+        out = p @ vs
+        ds = p * (gs @ vs.transpose(1, 2) - (gs * out).sum(-1, keepdim=True))
+        for full, part in zip(grads, (ds @ ks * scale, ds.transpose(1, 2) @ qs * scale, p.transpose(1, 2) @ gs)):
+            full[a:b] = part.transpose(0, 1)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+@_varlen_backward_op.register_fake
+def _(grad, q, k, v, cu, longest, scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_backward(ctx, grad):
+    q, k, v, cu = ctx.saved_tensors
+    dq, dk, dv = _varlen_backward_op(grad, q, k, v, cu, ctx.longest, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None, None
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu, ctx.longest, ctx.scale, ctx.causal = inputs
+    ctx.save_for_backward(q, k, v, cu)
+
+
+_varlen_op.register_autograd(_varlen_backward, setup_context=_setup)
+
+
+def varlen_op(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """`reference_varlen_attn` behind a custom op: what dynamo sees of torch's `varlen_attn` on a GPU."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _varlen_op(q, k, v, cu_q, max_q, scale, tuple(window_size) == (-1, 0))
+
+
+@pytest.fixture
+def stand_in_op(monkeypatch):
+    monkeypatch.setattr(torch_varlen, "kernel", lambda: varlen_op)
+    monkeypatch.setattr(torch_varlen, "usable", lambda q: True)
+    varlen_kernel.cache_clear()
+    yield
+    varlen_kernel.cache_clear()
+
+
+@pytest.fixture
+def dynamo():
+    """A clean slate of compiled code and counters for each test."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+def _cu(lengths) -> torch.Tensor:
+    return torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+
+
+def _text_step(model: TextModel, lengths: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    total = sum(lengths)
+    ids = torch.randint(0, 1000, (1, total), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(3, 1, total)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, torch.zeros(0, model.lm_head.in_features), positions, None, ids.clone(), _cu(lengths))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _vision_step(model: VisionModel, grids: list[list[int]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    grid = torch.tensor(grids)
+    g = torch.Generator().manual_seed(int(grid.sum()))
+    pixels = torch.randn(int(grid.prod(-1).sum()), 1176, generator=g)
+    model.zero_grad(set_to_none=True)
+    out = model(pixels, grid)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(run, ref) -> None:
+    (out, grads), (ref_out, ref_grads) = run, ref
+    assert rel_err(out, ref_out) < 1e-6
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) < 1e-5, name
+
+
+def _eager_and_compiled(model: torch.nn.Module, backend: str = "aot_eager"):
+    eager = copy.deepcopy(model)
+    assert BlockCompile(backend).apply(model.blocks()) == len(model.blocks())
+    return eager, model
+
+
+def test_the_setting_is_one_object_with_three_choices():
+    assert BACKENDS == ("off", "inductor", "aot_eager")
+    assert load_config("tiny").text.compile == "off" and not BlockCompile.of(load_config("tiny").vision).on
+    assert BlockCompile.of(load_config("tiny", ["text.compile=inductor"]).text).backend == "inductor"
+    with pytest.raises(ConfigError, match="text.compile.*expects one of"):
+        load_config("tiny", ["text.compile=yes"])
+    with pytest.raises(ValueError, match="compile='yes': choose one of off, inductor, aot_eager"):
+        BlockCompile("yes")
+    model = TextModel(architecture_config("tiny"), packed=True)
+    assert BlockCompile("off").apply(model.blocks()) == 0 and not any(map(compiled, model.blocks()))
+
+
+def test_names_state_and_hooks_stay_those_of_the_eager_model():
+    """Only `forward` changes: the state dict's names, and the heartbeat's hooks sit on each compiled block (outside
+    its compiled code) instead of on the modules inside it."""
+    model = TextModel(architecture_config("tiny"), packed=True)
+    names = list(model.state_dict())
+    inner = len(Progress().watch(model.blocks()))
+    BlockCompile("aot_eager").apply(model.blocks())
+    assert list(model.state_dict()) == names and all(map(compiled, model.blocks()))
+    assert len(Progress().watch(model.blocks())) == 2 * len(model.blocks()) < inner
+
+
+def test_decoder_on_the_varlen_path_is_one_graph_for_every_length(stand_in_op, dynamo):
+    """The GPU's path: each decoder layer compiles without a graph break, all layers share the graph, and micro-batches
+    of new lengths reuse it; loss and every gradient as the eager layers'."""
+    torch.manual_seed(0)
+    eager, model = _eager_and_compiled(TextModel(architecture_config("tiny"), packed=True).train())
+    assert model.language_model.config._attn_implementation == PACKED_TORCH_VARLEN
+    for lengths in LENGTHS:
+        _assert_same(_text_step(model, lengths), _text_step(eager, lengths))
+    assert dict(dynamo["graph_break"]) == {}
+    assert dynamo["stats"]["unique_graphs"] == 1
+
+
+def test_vit_on_the_varlen_path_compiles_once_around_the_host_read(stand_in_op, dynamo):
+    """The ViT's blocks on the GPU's path: the longest window or image is read on the host (the one break), the
+    rest compiles once for images of every size; output and every gradient as the eager blocks'."""
+    torch.manual_seed(0)
+    eager, model = _eager_and_compiled(VisionModel(architecture_config("tiny")).train())
+    for grids in GRIDS[:1]:
+        _assert_same(_vision_step(model, grids), _vision_step(eager, grids))
+    graphs = dynamo["stats"]["unique_graphs"]
+    for grids in GRIDS[1:]:
+        _assert_same(_vision_step(model, grids), _vision_step(eager, grids))
+    assert dynamo["stats"]["unique_graphs"] == graphs
+    _only_disabled_functions_break(dynamo)
+
+
+def test_cpu_path_compiles_around_the_per_length_loops(dynamo):
+    """Without a varlen kernel (this CPU): the per-sample and per-window SDPA loops run as Python between two graphs
+    of each block, which compile once for micro-batches of every length; parity with the eager blocks."""
+    torch.manual_seed(0)
+    config = architecture_config("tiny")
+    text_eager, text = _eager_and_compiled(TextModel(config, packed=True).train())
+    vision_eager, vision = _eager_and_compiled(VisionModel(config).train())
+    assert text.language_model.config._attn_implementation == PACKED_SDPA
+    _assert_same(_text_step(text, LENGTHS[0]), _text_step(text_eager, LENGTHS[0]))
+    _assert_same(_vision_step(vision, GRIDS[0]), _vision_step(vision_eager, GRIDS[0]))
+    graphs = dynamo["stats"]["unique_graphs"]
+    for lengths, grids in zip(LENGTHS[1:], GRIDS[1:]):
+        _assert_same(_text_step(text, lengths), _text_step(text_eager, lengths))
+        _assert_same(_vision_step(vision, grids), _vision_step(vision_eager, grids))
+    assert dynamo["stats"]["unique_graphs"] == graphs
+    _only_disabled_functions_break(dynamo)
+
+
+def _only_disabled_functions_break(counters) -> None:
+    """Every graph break is at a function dhp marked `torch.compiler.disable` (its host work), none elsewhere."""
+    reasons = list(counters["graph_break"])
+    assert reasons and all("torch.compiler.disable" in reason for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("mode", ["full", "every_n"])
+def test_checkpointed_blocks_compile_and_recompute_the_compiled_forward(dynamo, mode):
+    """Activation checkpointing stays around the compiled forward: the blocks compile (torch would run a checkpoint
+    traced with a side effect inside it eagerly, compiling nothing) and train like the eager checkpointed blocks."""
+    from dhp.models.activation_checkpointing import ActivationCheckpointing
+
+    torch.manual_seed(0)
+    config = architecture_config("tiny")
+    halves = []
+    for model in (TextModel(config, packed=True).train(), VisionModel(config).train()):
+        assert ActivationCheckpointing(mode, 2).apply(model.blocks()) > 0
+        halves.append(_eager_and_compiled(model))
+    (text_eager, text), (vision_eager, vision) = halves
+    _assert_same(_text_step(text, LENGTHS[0]), _text_step(text_eager, LENGTHS[0]))
+    _assert_same(_vision_step(vision, GRIDS[0]), _vision_step(vision_eager, GRIDS[0]))
+    assert dynamo["stats"]["unique_graphs"] > 0
+    _only_disabled_functions_break(dynamo)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_both_halves(dynamo):
+    """inductor's generated kernels (C++ on this CPU) on a packed text step and a ViT step: the eager results within the
+    parity tolerances (its fused reductions sum in another order)."""
+    torch.manual_seed(0)
+    config = architecture_config("tiny")
+    text_eager, text = _eager_and_compiled(TextModel(config, packed=True).train(), "inductor")
+    vision_eager, vision = _eager_and_compiled(VisionModel(config).train(), "inductor")
+    for lengths, grids in zip(LENGTHS[:2], GRIDS[:2]):
+        _assert_same(_text_step(text, lengths), _text_step(text_eager, lengths))
+        _assert_same(_vision_step(vision, grids), _vision_step(vision_eager, grids))
