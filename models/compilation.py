@@ -22,12 +22,12 @@ models/window_attention.py `segment_groups`; the per-length SDPA loop of the CPU
 the decoder's attention is one varlen kernel call (torch's is a torch custom op), and a decoder layer is one graph:
 tests/test_compile.py checks that with a custom op of the same contract in the kernel's place.
 
-The first micro-batch pays the compilation (its time on a GPU is not measured yet). `aot_eager` traces and runs the same graphs without generating code: a check, in seconds,
-that a model compiles, with no speed-up.
+The first micro-batch pays the compilation (its time on a GPU is not measured yet). `aot_eager` traces and runs
+the same graphs without generating code: a check, in seconds, that a model compiles, with no speed-up.
 
 | `compile` | what runs |
 |---|---|
-| `off` | the eager modules |
+| `none` | the eager modules |
 | `inductor` | torch's default compiler: fused kernels (Triton on a GPU, C++ on a CPU) |
 | `aot_eager` | the traced forward and backward graphs, run op by op |
 """
@@ -43,14 +43,14 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-BACKENDS = ("off", "inductor", "aot_eager")
+BACKENDS = ("none", "inductor", "aot_eager")
 
 
 @dataclass(frozen=True)
 class BlockCompile:
     """Whether and how a stage's blocks are compiled (module docstring)."""
 
-    backend: str = "off"
+    backend: str = "none"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -63,7 +63,7 @@ class BlockCompile:
 
     @property
     def on(self) -> bool:
-        return self.backend != "off"
+        return self.backend != "none"
 
     def apply(self, units: Sequence[nn.Module]) -> int:
         """Compile each unit's `forward` in place (the unit keeps its class, parameters and hooks); returns how many

@@ -29,7 +29,7 @@
 # the shard; default all 32, packed), SIDES (one-gpu: square noise images of these sides in px instead of the
 # photos, e.g. 448,896,1792), BENCH_STEPS (one-gpu's measured steps per workload, default the bench's: 8 for the
 # photos, 20 a side), BOUNDARIES (one-gpu: pipeline.boundary values, a dhp row each, e.g. host,cuda_ipc; default
-# host), COMPILE (one-gpu: inductor compiles the blocks of dhp and of the loop of dhp's kernels; default off),
+# host), COMPILE (one-gpu: inductor compiles the blocks of dhp and of the loop of dhp's kernels; default none),
 # PROFILE (one-gpu: this many profiled steps, after one warm-up, of each one-process loop and of dhp's
 # actors; default 1; 0: none), RAY_CPUS (the Ray's CPUs, default 8: the peers ask for 8), LIMIT_S (one step
 # alone: its limit, default 570; e.g. 220 for the tests as a second command on a warm machine), BUNDLE (`none`:

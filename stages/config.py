@@ -63,8 +63,8 @@ class StageConfig:
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"  # recompute blocks in backward
     activation_checkpointing_every: int = 2  # every_n: blocks 0, N, 2N, ... recompute
     # torch.compile each block's forward: inductor (fused kernels; the first micro-batch compiles), aot_eager (traced,
-    # not fused: a check that it compiles), off (models/compilation.py)
-    compile: Literal["off", "inductor", "aot_eager"] = "off"
+    # not fused: a check that it compiles), none (models/compilation.py)
+    compile: Literal["none", "inductor", "aot_eager"] = "none"
 
 
 @dataclass

@@ -85,6 +85,7 @@ def _args(path, **changes) -> argparse.Namespace:
         profile=1,
         boundaries=("host",),
         photos=None,
+        compile="none",
         shard=None,
         describe=False,
     )

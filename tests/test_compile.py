@@ -153,15 +153,16 @@ def _eager_and_compiled(model: torch.nn.Module, backend: str = "aot_eager"):
 
 
 def test_the_setting_is_one_object_with_three_choices():
-    assert BACKENDS == ("off", "inductor", "aot_eager")
-    assert load_config("tiny").text.compile == "off" and not BlockCompile.of(load_config("tiny").vision).on
+    assert BACKENDS == ("none", "inductor", "aot_eager")
+    assert load_config("tiny").text.compile == "none" and not BlockCompile.of(load_config("tiny").vision).on
     assert BlockCompile.of(load_config("tiny", ["text.compile=inductor"]).text).backend == "inductor"
+    assert load_config("tiny", ["text.compile=inductor", "text.compile=none"]).text.compile == "none"
     with pytest.raises(ConfigError, match="text.compile.*expects one of"):
         load_config("tiny", ["text.compile=yes"])
-    with pytest.raises(ValueError, match="compile='yes': choose one of off, inductor, aot_eager"):
+    with pytest.raises(ValueError, match="compile='yes': choose one of none, inductor, aot_eager"):
         BlockCompile("yes")
     model = TextModel(architecture_config("tiny"), packed=True)
-    assert BlockCompile("off").apply(model.blocks()) == 0 and not any(map(compiled, model.blocks()))
+    assert BlockCompile("none").apply(model.blocks()) == 0 and not any(map(compiled, model.blocks()))
 
 
 def test_names_state_and_hooks_stay_those_of_the_eager_model():

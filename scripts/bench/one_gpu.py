@@ -699,7 +699,7 @@ def run(
     photos: int | None = None,
     shard: Path | None = None,
     trainers: Callable[[Any], Any] | None = None,
-    compile_backend: str = "off",
+    compile_backend: str = "none",
 ) -> dict[str, Any]:
     """Every system on each workload (the photos; or each side, smallest first); dhp once per `pipeline.boundary`
     in `boundaries` (a row each: "dhp" for host, "dhp cuda_ipc", ...). `on_workload` is handed the result so far
@@ -813,7 +813,7 @@ def _ratio(row: dict[str, Any], key: str) -> str:
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} on {result['device']} ({result['timings']}), {result['precision']}, "
-        f"packed text attention {result.get('text_attention', '?')}, blocks compiled: {result.get('compile', 'off')}, "
+        f"packed text attention {result.get('text_attention', '?')}, blocks compiled: {result.get('compile', 'none')}, "
         f"median of {result['steps']} steps",
         "",
         "| workload | patches | system | step s | vision tok/s | text tok/s | TFLOP/s | MFU | padding "
@@ -851,7 +851,7 @@ def table(result: dict[str, Any]) -> str:
                 f"most device time: {top or 'none (no device)'}"
             )
     for r in result["rows"]:
-        if result.get("compile", "off") != "off" and "compiled" in r:
+        if result.get("compile", "none") != "none" and "compiled" in r:
             done = ", ".join(
                 f"{stage} {c.get('graphs', '?')} graphs, {c.get('graph_breaks', '?')} breaks"
                 for stage, c in r["compiled"].items()
@@ -954,9 +954,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--compile",
-        default="off",
-        choices=["off", "inductor", "aot_eager"],
-        help="vision.compile and text.compile for dhp and the loop of dhp's kernels (default off)",
+        default="none",
+        choices=["none", "inductor", "aot_eager"],
+        help="vision.compile and text.compile for dhp and the loop of dhp's kernels (default none)",
     )
     p.add_argument(
         "--precision",
