@@ -106,9 +106,10 @@ def compile_stats() -> dict[str, int]:
     a torch has no such counters, {}."""
     try:
         from torch._dynamo.utils import counters
-    except ImportError:
+
+        return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+    except (ImportError, AttributeError, KeyError, TypeError):
         return {}
-    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def compiled(unit: nn.Module) -> bool:

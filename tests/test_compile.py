@@ -10,6 +10,7 @@ runs inductor itself. Through the pools: tests/test_packing.py's compiled layout
 from __future__ import annotations
 
 import copy
+import typing
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from dhp.models.architectures import architecture_config
 from dhp.models.compilation import BACKENDS, BlockCompile, compiled
 from dhp.models.packed_attention import PACKED_SDPA, PACKED_TORCH_VARLEN, varlen_kernel
 from dhp.models.qwen2_5_vl import TextModel, VisionModel
-from dhp.stages.config import ConfigError, load_config
+from dhp.stages.config import ConfigError, StageConfig, load_config
 from dhp.stages.progress import Progress
 from tests.conftest import rel_err
 from tests.test_torch_varlen import reference_varlen_attn
@@ -158,6 +159,7 @@ def _eager_and_compiled(model: torch.nn.Module, backend: str = "aot_eager"):
 
 def test_the_setting_is_one_object_with_three_choices():
     assert BACKENDS == ("none", "inductor", "aot_eager")
+    assert typing.get_args(typing.get_type_hints(StageConfig)["compile"]) == BACKENDS
     assert load_config("tiny").text.compile == "none" and not BlockCompile.of(load_config("tiny").vision).on
     assert BlockCompile.of(load_config("tiny", ["text.compile=inductor"]).text).backend == "inductor"
     assert load_config("tiny", ["text.compile=inductor", "text.compile=none"]).text.compile == "none"
@@ -291,3 +293,30 @@ def test_inductor_on_a_gpu_with_the_real_kernel(dynamo):
     for grids in GRIDS:
         close(on_cuda(_vision_step, vision, grids), on_cuda(_vision_step, vision_eager, grids))
     _only_disabled_functions_break(dynamo)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_trains_and_evaluates_as_the_eager_one(trainers, tmp_path):
+    """`dhp train` end to end, twice on the same synthetic set (images and videos, packed): both pools compiled
+    (`aot_eager`), then eager. Every step's loss and the eval loss (a forward without gradients, which the compiled
+    blocks compile once more for) agree."""
+    from dhp.stages import step_logs
+    from dhp.stages.driver import train
+
+    runs = {}
+    for backend in ("aot_eager", "none"):
+        cfg = load_config(
+            "tiny",
+            [
+                *(f"vision.compile={backend}", f"text.compile={backend}", "data.packing=true"),
+                *("training.steps=3", "training.global_batch_size=4", "training.eval_batches=1"),
+                *(f"data.synthetic.dir={tmp_path / 'synth'}", "data.synthetic.num=12", "data.synthetic.eval_num=4"),
+                *(f"output.dir={tmp_path}", f"output.name={backend}", "output.save_final_checkpoint=false"),
+            ],
+        )
+        summary = train(cfg, trainers=trainers)
+        runs[backend] = ([r["loss"] for r in step_logs.read(tmp_path / backend)], summary["eval_loss"])
+    (losses, eval_loss), (eager_losses, eager_eval) = runs["aot_eager"], runs["none"]
+    assert len(losses) == 3 and eval_loss is not None
+    for loss, eager in zip([*losses, eval_loss], [*eager_losses, eager_eval]):
+        assert abs(loss - eager) <= 1e-6 * abs(eager), (losses, eval_loss, eager_losses, eager_eval)
