@@ -219,9 +219,8 @@ def test_cpu_path_compiles_around_the_per_length_loops(dynamo):
     _assert_same(_text_step(text, LENGTHS[0]), _text_step(text_eager, LENGTHS[0]))
     _assert_same(_vision_step(vision, GRIDS[0]), _vision_step(vision_eager, GRIDS[0]))
     graphs = dynamo["stats"]["unique_graphs"]
-    for lengths, grids in zip(LENGTHS[1:], GRIDS[1:]):
-        _assert_same(_text_step(text, lengths), _text_step(text_eager, lengths))
-        _assert_same(_vision_step(vision, grids), _vision_step(vision_eager, grids))
+    _assert_same(_text_step(text, LENGTHS[1]), _text_step(text_eager, LENGTHS[1]))
+    _assert_same(_vision_step(vision, GRIDS[1]), _vision_step(vision_eager, GRIDS[1]))
     assert dynamo["stats"]["unique_graphs"] == graphs
     _only_disabled_functions_break(dynamo)
 
@@ -252,16 +251,15 @@ def test_checkpointed_blocks_compile_and_recompute_the_compiled_forward(dynamo):
 
 
 @pytest.mark.slow
-def test_inductor_compiles_both_halves(dynamo):
-    """inductor's generated kernels (C++ on this CPU) on a packed text step and a ViT step: the eager results within the
-    parity tolerances (its fused reductions sum in another order)."""
+def test_inductor_compiles_the_decoder(dynamo):
+    """inductor's generated kernels (C++ on this CPU) on packed text steps of two lengths: the eager results within
+    the parity tolerances (its fused reductions sum in another order), one compilation for both."""
     torch.manual_seed(0)
-    config = architecture_config("tiny")
-    text_eager, text = _eager_and_compiled(TextModel(config, packed=True).train(), "inductor")
-    vision_eager, vision = _eager_and_compiled(VisionModel(config).train(), "inductor")
-    for lengths, grids in zip(LENGTHS[:2], GRIDS[:2]):
-        _assert_same(_text_step(text, lengths), _text_step(text_eager, lengths))
-        _assert_same(_vision_step(vision, grids), _vision_step(vision_eager, grids))
+    text_eager, text = _eager_and_compiled(TextModel(architecture_config("tiny"), packed=True).train(), "inductor")
+    _assert_same(_text_step(text, LENGTHS[0]), _text_step(text_eager, LENGTHS[0]))
+    graphs = dynamo["stats"]["unique_graphs"]
+    _assert_same(_text_step(text, LENGTHS[1]), _text_step(text_eager, LENGTHS[1]))
+    assert dynamo["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu
@@ -309,14 +307,14 @@ def test_a_compiled_run_trains_and_evaluates_as_the_eager_one(trainers, tmp_path
             "tiny",
             [
                 *(f"vision.compile={backend}", f"text.compile={backend}", "data.packing=true"),
-                *("training.steps=3", "training.global_batch_size=4", "training.eval_batches=1"),
-                *(f"data.synthetic.dir={tmp_path / 'synth'}", "data.synthetic.num=12", "data.synthetic.eval_num=4"),
+                *("training.steps=2", "training.global_batch_size=4", "training.eval_batches=1"),
+                *(f"data.synthetic.dir={tmp_path / 'synth'}", "data.synthetic.num=8", "data.synthetic.eval_num=4"),
                 *(f"output.dir={tmp_path}", f"output.name={backend}", "output.save_final_checkpoint=false"),
             ],
         )
         summary = train(cfg, trainers=trainers)
         runs[backend] = ([r["loss"] for r in step_logs.read(tmp_path / backend)], summary["eval_loss"])
     (losses, eval_loss), (eager_losses, eager_eval) = runs["aot_eager"], runs["none"]
-    assert len(losses) == 3 and eval_loss is not None
+    assert len(losses) == 2 and eval_loss is not None
     for loss, eager in zip([*losses, eval_loss], [*eager_losses, eager_eval]):
         assert abs(loss - eager) <= 1e-6 * abs(eager), (losses, eval_loss, eager_losses, eager_eval)
