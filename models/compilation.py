@@ -72,6 +72,7 @@ class BlockCompile:
             return 0
         for unit in units:
             unit.forward = _compiled_forward(unit, self.backend)
+            unit.forward.dhp_compiled = True  # what `compiled` asks (layouts replace other forwards too)
         return len(units)
 
 
@@ -114,4 +115,4 @@ def compile_stats() -> dict[str, int]:
 
 def compiled(unit: nn.Module) -> bool:
     """Whether `unit`'s forward was compiled by `BlockCompile.apply`."""
-    return "forward" in vars(unit)
+    return getattr(vars(unit).get("forward"), "dhp_compiled", False)

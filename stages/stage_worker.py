@@ -152,7 +152,7 @@ class StageWorker(DistributedWorker):
         self.activation_checkpointing = ActivationCheckpointing.of(self.stage_cfg)
         self.activation_checkpointing.apply(self.model.blocks())
         self.block_compile = BlockCompile.of(self.stage_cfg)
-        self.block_compile.apply(self.layout.compile_units(self.model))
+        self.compiled_units = self.block_compile.apply(self.layout.compile_units(self.model))
         self.progress.watch(self.model.blocks())  # the heartbeat's progress (stages/progress.py)
         self.optimizer = self.scheduler = None  # a frozen stage: no optimizer state at all
         if self.trains:
@@ -184,8 +184,7 @@ class StageWorker(DistributedWorker):
     def compiled(self) -> dict[str, Any]:
         """This rank's `compile` setting, how many units it compiled and what torch compiled so far
         (models/compilation.py `compile_stats`)."""
-        units = self.layout.compile_units(self.model) if self.block_compile.on else []
-        return {"backend": self.block_compile.backend, "units": len(units), **compile_stats()}
+        return {"backend": self.block_compile.backend, "units": self.compiled_units, **compile_stats()}
 
     def build_model(self, model_config: Any) -> nn.Module:
         raise NotImplementedError

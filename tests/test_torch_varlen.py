@@ -11,6 +11,7 @@ checked against the reference in bf16, forward and backward, so the stand-in is 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -52,14 +53,24 @@ def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, wind
     return torch.cat(outs)
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    """The reference in the kernel's place, and every call counted usable (on CPU it never is)."""
-    monkeypatch.setattr(torch_varlen, "kernel", lambda: reference_varlen_attn)
+@contextlib.contextmanager
+def in_the_kernels_place(monkeypatch, kernel):
+    """`kernel` in place of torch's varlen kernel, and every call counted usable (on CPU it never is); the
+    process's kernel choice is made again inside and after."""
+    monkeypatch.setattr(torch_varlen, "kernel", lambda: kernel)
     monkeypatch.setattr(torch_varlen, "usable", lambda q: True)
     varlen_kernel.cache_clear()
-    yield
-    varlen_kernel.cache_clear()
+    try:
+        yield
+    finally:
+        varlen_kernel.cache_clear()
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The reference in the kernel's place."""
+    with in_the_kernels_place(monkeypatch, reference_varlen_attn):
+        yield
 
 
 def _cu(lengths, device="cpu") -> torch.Tensor:

@@ -729,7 +729,7 @@ def run(
         "steps": steps,
         "compile": compile_backend,  # dhp's and the same-kernel loop's blocks (models/compilation.py)
     }
-    compiled = [f"{stage}.compile={compile_backend}" for stage in STAGES]
+    compile_settings = [f"{stage}.compile={compile_backend}" for stage in STAGES]
     had_ray, rows, failed = ray.is_initialized(), [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -740,7 +740,7 @@ def run(
             head["activation_checkpointing"] = {s: list(c) for s, c in fit.checkpointing.items()}
             print(f"fit: {fit.describe()}", flush=True)
             for w in todo:
-                settings = [*common, *w.settings, *fit.settings, *compiled]
+                settings = [*common, *w.settings, *fit.settings, *compile_settings]
                 head.setdefault("workloads", []).append(_described(w))
                 ranks = plan(load_config(base, settings), mc, vision_patches=w.largest_patches())["ranks"]
                 planned = {s: p.total for s, p in ranks.items()} if cuda else {}
