@@ -295,12 +295,16 @@ def test_training_from_s3_equals_local_and_keeps_credentials_out(trainers, s3_en
 
 
 def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(trainers, s3_endpoint, dataset, tmp_path, capsys):
-    """The annotation object's first GET never answers (the connection hangs 90 s): the stream's start misses
-    `data.timeout_s` twice without reading a record (20 s each: the rebuilt stream's healthy cold start must fit
-    in 2 x 20 s while the fault tests' runs load the 2-core machine in the background; with 12 s the test failed
-    once in a full run), the run reports where the stream stood, rebuilds and trains to the end."""
+    """The annotation object's first GET never answers (the connection hangs 200 s, past the detection): the
+    stream's start misses `data.timeout_s` twice without reading a record, the run reports where the stream
+    stood, rebuilds and trains to the end.
+
+    The rebuilt stream's healthy cold start (its loader's and Ray Data's worker processes and their imports) must
+    fit in the same 2 x `data.timeout_s` while the background runs load the 2-core machine: with 12 s the test
+    failed once in a full run, with 20 s once on CI, where the first stream had not even answered its probe
+    within 2 x 20 s. 30 s costs the test 20 s more."""
     annotation = f"/{BUCKET}/{PREFIX}/train.jsonl"
-    with FlakyProxy(s3_endpoint.url, failures=1, stall_s=90, only={annotation}, methods=("GET",)) as proxy:
+    with FlakyProxy(s3_endpoint.url, failures=1, stall_s=200, only={annotation}, methods=("GET",)) as proxy:
         summary = train(
             _train_cfg(
                 tmp_path,
@@ -308,9 +312,9 @@ def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(trainers, s3_endpo
                 f"s3:/{annotation}",
                 proxy.url,
                 "",
-                "data.timeout_s=20",
+                "data.timeout_s=30",
                 "data.storage.max_attempts=1",
-                "data.storage.request_timeout_s=120",
+                "data.storage.request_timeout_s=300",
                 "training.max_restarts=1",
             ),
             trainers=trainers,
@@ -318,7 +322,7 @@ def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(trainers, s3_endpo
         assert proxy.failed == 1
     (fault,) = summary["restarts"]
     assert fault["kind"] == "the data pipeline stalled"
-    assert "the data streams' start" in fault["error"] and "data.timeout_s=20 s" in fault["error"]
+    assert "the data streams' start" in fault["error"] and "data.timeout_s=30 s" in fault["error"]
     assert "stream 0: epoch 0, 0 records into it, no record read yet" in fault["error"]
     assert summary["steps"] == 2
     assert "fault (the data pipeline stalled)" in capsys.readouterr().out
