@@ -381,3 +381,18 @@ def test_boundaries_are_checked_when_parsed():
     assert _boundaries("host,cuda_ipc") == ("host", "cuda_ipc")
     with pytest.raises(argparse.ArgumentTypeError, match="nccl: pipeline.boundary is one of host, cuda_ipc"):
         _boundaries("host,nccl")
+
+
+def test_the_settings_choices_are_the_configs():
+    """The bench lists `--compile` and `--precision` choices itself (building `dhp`'s parser must not import torch,
+    which the config does); they must stay the config's own values."""
+    import typing
+
+    from dhp.scripts.bench.one_gpu import add_parser
+    from dhp.stages.config import ModelConfig, StageConfig
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    actions = {a.dest: a for a in sub.choices["one-gpu"]._actions}
+    assert tuple(actions["compile"].choices) == typing.get_args(typing.get_type_hints(StageConfig)["compile"])
+    assert tuple(actions["precision"].choices) == typing.get_args(typing.get_type_hints(ModelConfig)["precision"])
