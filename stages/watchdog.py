@@ -292,7 +292,7 @@ def wait_for_data(refs: list[ray.ObjectRef], loaders: list[Any], timeout_s: floa
         which = [i for i, ref in enumerate(refs) if ref in set(late)]
         where = ray.get(_ask.remote([loaders[i] for i in which], "position", HEARTBEAT_S))
         if where == before:
-            streams = "; ".join(f"stream {i}: {w['where'] if isinstance(w, dict) else w}" for i, w in zip(which, where))
+            streams = "; ".join(f"stream {i}: {stream_position(w)}" for i, w in zip(which, where))
             raise DataStalled(
                 f"{what}: the data pipeline read nothing for 2 x data.timeout_s={timeout_s:g} s ({streams}); "
                 f"a read blocked on storage or a stopped preprocessing worker (raise data.timeout_s if the "
@@ -302,6 +302,15 @@ def wait_for_data(refs: list[ray.ObjectRef], loaders: list[Any], timeout_s: floa
             if isinstance(w, dict) and w["read"] and 2 * sum(w["skipped"].values()) >= w["read"]:
                 print(f"warning: {what}: {skipping(i, w)}", flush=True)
         before = where
+
+
+def stream_position(answer: Any) -> str:
+    """A stream's answer to `position` (`_ask`'s), for people: where it stands, or why it did not say."""
+    if isinstance(answer, dict):
+        return answer["where"]
+    if answer == GONE:
+        return "its loader died"
+    return f"its loader did not answer within {HEARTBEAT_S:g} s (still starting, or its process is stuck)"
 
 
 def skipping(stream: int, position: dict[str, Any]) -> str:

@@ -134,6 +134,18 @@ class _Rank:
         return "ok"
 
 
+def test_a_stall_report_says_why_a_stream_did_not_say_where_it_stands():
+    """The stall report's words for each of `_ask`'s answers: a position, a silent loader, a dead one."""
+    where = {"where": "epoch 0, 3 records into it, last record a.jsonl:3", "read": 3, "skipped": {}, "example": None}
+    assert watchdog.stream_position(where) == "epoch 0, 3 records into it, last record a.jsonl:3"
+    silent = watchdog.stream_position(watchdog.MISSING)
+    assert (
+        silent
+        == f"its loader did not answer within {watchdog.HEARTBEAT_S:g} s (still starting, or its process is stuck)"
+    )
+    assert watchdog.stream_position(watchdog.GONE) == "its loader died"
+
+
 def test_asking_ranks_names_the_silent_and_the_dead_without_losing_the_answers(ray_session):
     """`_ask` (the hang report's and the stall report's question): one rank answers, one is too slow, one's actor
     is dead. The dead one's error is its answer (GONE), not an exception that loses the others'."""
