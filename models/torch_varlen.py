@@ -20,7 +20,6 @@ callers keep their exact per-segment SDPA.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -28,10 +27,20 @@ import torch
 HALF = (torch.bfloat16, torch.float16)
 
 
-@functools.cache
+# `kernel()`'s answer once looked up: a list, not functools.cache, because compiled blocks (models/compilation.py)
+# trace the call, and dynamo traces through a cache wrapper, warning that it ignores it
+_FOUND: list[Callable | None] = []
+
+
 def kernel() -> Callable | None:
     """torch's `varlen_attn` where this torch has it and a GPU of compute capability 8.0 or newer is visible
     (flash attention's floor), else None."""
+    if not _FOUND:
+        _FOUND.append(_look_up())
+    return _FOUND[0]
+
+
+def _look_up() -> Callable | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

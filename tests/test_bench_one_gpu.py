@@ -396,3 +396,20 @@ def test_the_settings_choices_are_the_configs():
     actions = {a.dest: a for a in sub.choices["one-gpu"]._actions}
     assert tuple(actions["compile"].choices) == typing.get_args(typing.get_type_hints(StageConfig)["compile"])
     assert tuple(actions["precision"].choices) == typing.get_args(typing.get_type_hints(ModelConfig)["precision"])
+
+
+def test_the_loop_of_dhps_kernels_reports_what_it_compiled(tmp_path, monkeypatch):
+    """With `--compile`, the same-kernel loop's row says what its one process compiled, as dhp's rows say per pool:
+    the real loop on the tiny model (`aot_eager`), dhp and the stock loop stand-ins (the dhp rows' own counts come from
+    the stage actors, `test_three_systems_train_the_same_packed_photos`)."""
+    from dhp.scripts.bench import one_gpu as bench_one_gpu
+    from dhp.scripts.bench.one_process import trained
+
+    monkeypatch.setattr(bench_one_gpu, "run_dhp", lambda cfg, mc, w, *a: _ran(1.0, trained(w.metas), dhp=True))
+    monkeypatch.setattr(bench_one_gpu, "run_stock", lambda cfg, mc, w, *a: _ran(2.0, trained(w.metas)))
+    path = tmp_path / "one_gpu.json"
+    assert main(_args(path, sides="112", profile=0, compile="aot_eager")) == 0
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    loop = rows["one process, dhp kernels"]["compiled"]["process"]
+    assert loop["backend"] == "aot_eager" and loop["units"] > 0 and loop["graphs"] > 0, loop
+    assert "compiled" not in rows["one process"]

@@ -27,7 +27,8 @@ Systems, on the same device, one after the other in the same process tree, on th
 
 `--compile inductor` compiles both pools' blocks in dhp and in the loop of dhp's kernels (`vision.compile`,
 `text.compile`: models/compilation.py); the stock loop stays what transformers runs. The warm-up step then
-includes the compilation, and dhp's rows keep what each pool compiled (graphs and graph breaks).
+includes the compilation; dhp's rows keep what each pool compiled (graphs and graph breaks), the same-kernel loop's
+what its one process compiled.
 
 Per workload and system: the median step after one warm-up step, each step's loss, what it trained (the same
 counts for all three, padding aside), vision tokens/s (ViT patches), text tokens/s (decoder tokens, image

@@ -235,9 +235,11 @@ def run_same_kernels(cfg: Any, mc: Any, workload: Any, steps: int, profile_steps
     import torch
 
     from dhp.dataflow.packing import meta_of
+    from dhp.models.compilation import compile_stats, compiled
     from dhp.models.precision import precision_of
     from dhp.stages.stage_worker import build_optimizer, clip_coefficient, clipped_step
 
+    before = compile_stats()  # this process's counts so far: the earlier workloads' compilations
     device, precision = _device(), precision_of(cfg.model.precision)
     microbatches = workload.microbatches(packed=cfg.data.packing)
     counted = trained([meta_of(v, x) for v, x in microbatches])
@@ -273,4 +275,14 @@ def run_same_kernels(cfg: Any, mc: Any, workload: Any, steps: int, profile_steps
             scheduler.step()
         return float(total)
 
-    return {**timed_loop(step, steps, profile_steps), "trained": counted}
+    timed = timed_loop(step, steps, profile_steps)
+    if not any(compiled(m) for model in halves.values() for m in model.modules()):
+        return {**timed, "trained": counted}
+    after = compile_stats()
+    # one process compiles both halves: its counts are the loop's, not a stage's (dhp's rows have one per pool)
+    loop = {
+        "backend": cfg.text.compile,
+        "units": sum(compiled(m) for model in halves.values() for m in model.modules()),
+        **{k: after[k] - before.get(k, 0) for k in after},
+    }
+    return {**timed, "trained": counted, "compiled": {"process": loop}}
