@@ -301,8 +301,10 @@ def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(trainers, s3_endpo
 
     The rebuilt stream's healthy cold start (its loader's and Ray Data's worker processes and their imports) must
     fit in the same 2 x `data.timeout_s` while the background runs load the 2-core machine: with 12 s the test
-    failed once in a full run, with 20 s once on CI, where the first stream had not even answered its probe
-    within 2 x 20 s. 30 s costs the test 20 s more."""
+    failed once in a full run, with 20 s once on CI. 30 s costs the test 20 s more. In that CI run the first
+    stream's loader had not answered its probe at either look (a process still importing, while a background
+    job's runs shared the cores equally, tests/background.py), so the report may say that instead of the
+    position: both are what the driver knew."""
     annotation = f"/{BUCKET}/{PREFIX}/train.jsonl"
     with FlakyProxy(s3_endpoint.url, failures=1, stall_s=200, only={annotation}, methods=("GET",)) as proxy:
         summary = train(
@@ -323,7 +325,9 @@ def test_a_stalled_read_is_a_data_fault_the_run_recovers_from(trainers, s3_endpo
     (fault,) = summary["restarts"]
     assert fault["kind"] == "the data pipeline stalled"
     assert "the data streams' start" in fault["error"] and "data.timeout_s=30 s" in fault["error"]
-    assert "stream 0: epoch 0, 0 records into it, no record read yet" in fault["error"]
+    position = "stream 0: epoch 0, 0 records into it, no record read yet"
+    silent = "stream 0: its loader did not answer within 5 s"
+    assert position in fault["error"] or silent in fault["error"], fault["error"]
     assert summary["steps"] == 2
     assert "fault (the data pipeline stalled)" in capsys.readouterr().out
 
