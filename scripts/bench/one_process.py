@@ -276,13 +276,15 @@ def run_same_kernels(cfg: Any, mc: Any, workload: Any, steps: int, profile_steps
         return float(total)
 
     timed = timed_loop(step, steps, profile_steps)
-    if not any(compiled(m) for model in halves.values() for m in model.modules()):
+    units = sum(compiled(m) for model in halves.values() for m in model.modules())
+    if not units:
         return {**timed, "trained": counted}
     after = compile_stats()
+    backends = {cfg.vision.compile, cfg.text.compile}
     # one process compiles both halves: its counts are the loop's, not a stage's (dhp's rows have one per pool)
     loop = {
-        "backend": cfg.text.compile,
-        "units": sum(compiled(m) for model in halves.values() for m in model.modules()),
+        "backend": backends.pop() if len(backends) == 1 else f"vision {cfg.vision.compile}, text {cfg.text.compile}",
+        "units": units,
         **{k: after[k] - before.get(k, 0) for k in after},
     }
     return {**timed, "trained": counted, "compiled": {"process": loop}}
