@@ -94,7 +94,7 @@ def test_a_run_whose_mix_shifts_moves_a_rank_to_vision_and_trains_every_sample_o
     (move,) = row["moves"]
     assert (move["giver"], move["taker"], move["ranks"]) == ("text", "vision", 1), move
     assert (move["vision_actors"], move["text_actors"]) == (2, 1)
-    assert move["after_step"] > row["first_part_steps"]  # not before: the first part is text-bound
+    assert move["after_step"] > row["first_part_steps"]  # not before: the quick run's first decision is on the shift
     assert "rebalance: 1 rank(s) text -> vision" in capsys.readouterr().out
     run_dir = tmp_path / "runs" / "moved"
     sizes = load_config(str(run_dir / "config.yaml"))
