@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +46,32 @@ pytestmark = pytest.mark.slow  # subprocess runs of dhp or its own Ray cluster (
 STEPS, EVERY, AT = 8, 2, 3  # `--quick`: 8 steps, a checkpoint every 2, the fault after step 3
 
 
+# Ray 2.60 waits a fixed 30 s for a new raylet to register with its GCS; a run that starts while the session's most
+# loaded stretch (two runs starting beside the first tests) once missed it. The bench then runs once more: that is
+# Ray's start, not what these tests check.
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
 def _recovery(out: Path) -> dict[str, dict]:
+    existed = out.exists()
+    proc, stdout, stderr = _recovery_bench(out)
+    if proc.returncode != 0 and RAY_START_TIMEOUT in stdout + stderr:
+        print(f"faults: recovery: a run's Ray did not start in time ({RAY_START_TIMEOUT}); the bench runs again")
+        shutil.rmtree(out, ignore_errors=True)
+        if existed:
+            out.mkdir(parents=True)
+        proc, stdout, stderr = _recovery_bench(out)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    rows = {r["kind"]: r for r in json.loads((out / "recovery.json").read_text())}
+    assert sorted(rows) == sorted(KINDS)
+    assert all(f"{kind:8s}" in stdout for kind in KINDS)  # the table
+    for tensors in out.glob("runs/*/**/*.safetensors"):  # ~0.75 GB a run; only the save run's are verified below
+        if tensors.relative_to(out / "runs").parts[0] != "save":
+            tensors.unlink()
+    return rows
+
+
+def _recovery_bench(out: Path) -> tuple[subprocess.Popen, str, str]:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -68,14 +94,7 @@ def _recovery(out: Path) -> dict[str, dict]:
     )
     at_stop(lambda: _kill_group(proc))
     stdout, stderr = proc.communicate(timeout=3600)
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
-    rows = {r["kind"]: r for r in json.loads((out / "recovery.json").read_text())}
-    assert sorted(rows) == sorted(KINDS)
-    assert all(f"{kind:8s}" in stdout for kind in KINDS)  # the table
-    for tensors in out.glob("runs/*/**/*.safetensors"):  # ~0.75 GB a run; only the save run's are verified below
-        if tensors.relative_to(out / "runs").parts[0] != "save":
-            tensors.unlink()
-    return rows
+    return proc, stdout, stderr
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
