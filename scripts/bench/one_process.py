@@ -280,10 +280,10 @@ def run_same_kernels(cfg: Any, mc: Any, workload: Any, steps: int, profile_steps
     if not units:
         return {**timed, "trained": counted}
     after = compile_stats()
-    backends = {cfg.vision.compile, cfg.text.compile}
+    on_vision, on_text = cfg.vision.compile, cfg.text.compile
     # one process compiles both halves: its counts are the loop's, not a stage's (dhp's rows have one per pool)
     loop = {
-        "backend": backends.pop() if len(backends) == 1 else f"vision {cfg.vision.compile}, text {cfg.text.compile}",
+        "backend": on_text if on_vision == on_text else f"vision {on_vision}, text {on_text}",
         "units": units,
         **{k: after[k] - before.get(k, 0) for k in after},
     }

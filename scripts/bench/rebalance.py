@@ -164,8 +164,8 @@ def run(sizes: dict[str, int], root: Path, trainers: Any = None) -> dict[str, An
     shifting, second = write_mix(root, sizes["small"], sizes["large"])
     write_model(root)
     small_steps, large_steps = sizes["small"] // GLOBAL_BATCH, sizes["large"] // GLOBAL_BATCH
-    moved_sizes = (sizes["measure_steps"], sizes["cooldown_steps"])
-    cfg = config(root, "moved", shifting, small_steps + large_steps, POOLS["v1/t2"], *moved_sizes)
+    policy = {k: sizes[k] for k in ("measure_steps", "cooldown_steps")}
+    cfg = config(root, "moved", shifting, small_steps + large_steps, POOLS["v1/t2"], **policy)
     summary = train(cfg, trainers=trainers)
     moved = read(root / "runs" / "moved")
     after = [m["after_step"] for m in summary["rebalanced"]]
