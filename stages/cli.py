@@ -64,7 +64,10 @@ BENCHES = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line. A bench's module declares its arguments and imports what it measures (torch,
+    transformers, seconds of CPU): only `dhp bench NAME`'s is imported, and all of them for `dhp bench` alone,
+    its help or a name that is not a bench (whose error lists them); `argv` None: every bench's."""
     p = argparse.ArgumentParser(prog="dhp", description="Disaggregated hybrid parallel VLM training on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -152,10 +155,20 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB; MiB, bytes)")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    for name, module in BENCHES.items():
+    for name, module in _benches_named(sys.argv[1:] if argv is None else argv).items():
         importlib.import_module(module).add_parser(bench)
         bench.choices[name].set_defaults(run=_bench(module))
     return p
+
+
+def _benches_named(argv: list[str]) -> dict[str, str]:
+    """The benches whose arguments `argv` needs: none unless its command is `bench`; the one it names, or all."""
+    words = [a for a in argv if not a.startswith("-")]
+    if words[:1] != ["bench"]:
+        return {}
+    if len(words) > 1 and words[1] in BENCHES:
+        return {words[1]: BENCHES[words[1]]}
+    return BENCHES
 
 
 def _bench(module: str) -> Callable[[argparse.Namespace], int]:
@@ -269,7 +282,7 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a background job of a non-interactive shell:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGINT still stops it, Ray shut down on the way
-    args = _parser().parse_args(argv)
+    args = _parser(argv).parse_args(argv)
     try:
         return args.run(args) or 0
     except (ConfigError, FileNotFoundError, FileExistsError) as e:

@@ -14,13 +14,15 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import yaml
 
 from dhp.errors import ConfigError, one_line
-from dhp.stages.boundary import Transport, transport_of
 from dhp.stages.placement_modes import PlacementMode, placement_mode
+
+if TYPE_CHECKING:
+    from dhp.stages.boundary import Transport
 
 # training.on_checkpoint_error -> whether a failed save stops the run (else it retries at the next interval)
 CHECKPOINT_ERROR_STOPS = {"continue": False, "stop": True}
@@ -226,6 +228,9 @@ class PipelineConfig:
     @property
     def transport(self) -> Transport:
         """The `boundary` string as the object workers and pools ask (stages/boundary.py)."""
+        # imported here: the boundary needs torch, which `dhp config` and the command line's parser do not
+        from dhp.stages.boundary import transport_of
+
         return transport_of(self.boundary)
 
     @property
@@ -482,7 +487,7 @@ def validate(config: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    from dhp.models.weights.hf_writer import parse_size
+    from dhp.models.weights.shard_size import parse_size
 
     try:
         parse_size(config.output.max_shard_size)

@@ -8,6 +8,7 @@ this file was written (YAML errors escaping as tracebacks, a directory as --conf
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -503,3 +504,46 @@ def test_main_override_not_yaml(capsys):
 def test_main_data_synth_negative_num(tmp_path, capsys):
     assert main(["data", "synth", "--out", str(tmp_path / "ds"), "--num", "-1"]) == 2
     assert capsys.readouterr().err.startswith("dhp: error:")
+
+
+# What the command line imports: the help and `dhp config` answer in a fraction of a second; a bench's module (torch,
+# transformers: seconds of CPU) is imported only when its own command is given.
+_IMPORTED = """
+import sys
+from dhp.stages.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+import json
+heavy = sorted(m for m in ("torch", "transformers", "ray") if m in sys.modules)
+benches = sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith("dhp.scripts.bench."))
+print("IMPORTED", json.dumps([heavy, benches]))
+"""
+
+
+def _imported(*args: str) -> tuple[list[str], list[str], str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTED, *args], capture_output=True, text=True, timeout=120, check=True
+    )
+    printed, _, imported = proc.stdout.rpartition("IMPORTED ")
+    heavy, benches = json.loads(imported)
+    return heavy, benches, printed + proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["plan", "--help"], ["config"]])
+def test_help_and_config_import_neither_torch_nor_a_bench(args):
+    heavy, benches, out = _imported(*args)
+    assert heavy == [] and benches == [], out
+    if args == ["config"]:
+        assert yaml.safe_load(out)["model"]["name"] == "tiny"
+
+
+def test_a_bench_command_imports_its_own_bench_only_and_the_bench_help_lists_them_all():
+    from dhp.stages.cli import BENCHES
+
+    _, benches, out = _imported("bench", "layouts", "--help")
+    assert benches == ["layouts"], out
+    _, benches, out = _imported("bench", "--help")
+    assert {m.rsplit(".", 1)[1] for m in BENCHES.values()} <= set(benches)
+    assert all(name in out for name in BENCHES)

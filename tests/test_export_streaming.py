@@ -16,7 +16,8 @@ from dhp.models.parallel.layouts import make_layout
 from dhp.models.parallel.tensor_parts import read_part
 from dhp.models.weights.export import export_hf, write_meta
 from dhp.models.weights.hf_checkpoint import INDEX_FILE
-from dhp.models.weights.hf_writer import CHUNK_BYTES, Entry, parse_size, plan_shards, write_shards
+from dhp.models.weights.hf_writer import CHUNK_BYTES, Entry, plan_shards, write_shards
+from dhp.models.weights.shard_size import parse_size
 from dhp.stages.config import ConfigError, load_config
 from tests.test_layouts import CASES, full_states  # noqa: F401  (fixture)
 

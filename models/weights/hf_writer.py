@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from dhp.models.weights.hf_checkpoint import INDEX_FILE
+from dhp.models.weights.shard_size import parse_size
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' default
 CHUNK_BYTES = 16 * 2**20  # reading a strided part: rows at a time through a buffer this large
@@ -48,32 +48,6 @@ _DTYPES = {
     torch.bool: "BOOL",
 }
 DTYPE_OF = {v: k for k, v in _DTYPES.items()}
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes of `5GB` / `500MiB` / `1000` (transformers' convention: GB = 10^9, GiB = 2^30)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
-        if not m or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"max shard size {size!r}: expected bytes or a number with KB/MB/GB/KiB/MiB/GiB")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise ValueError(f"max shard size {size!r} must be positive")
-    return value
 
 
 @dataclass(frozen=True)
