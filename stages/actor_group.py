@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dhp.models.parallel.layout import pool_ranks
 from dhp.stages import rendezvous
 from dhp.stages.progress import Progress, tracked
+from dhp.stages.start_up import wait_all
 
 
 class DistributedWorker:
@@ -172,7 +173,9 @@ class ActorGroup:
                 for rank in range(num_actors + spares)
             ]
             pings = [a.ping.remote() for a in actors]
-            ready, _ = ray.wait(pings, num_returns=len(pings), timeout=placement_timeout_s)
+            # a rank answers once its process has started and imported torch and transformers
+            waiting = f"{name} pool: {{ready}} of {{total}} ranks started after {{seconds:.0f}} s"
+            ready = wait_all(pings, waiting, placement_timeout_s)
             if len(ready) < len(pings):  # a rendezvous with missing ranks would wait forever
                 for actor in actors:
                     ray.kill(actor.handle, no_restart=True)
@@ -206,7 +209,9 @@ class ActorGroup:
         self.worlds = 1  # worlds this pool has formed: each keys its rendezvous apart in the one store
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.init_process_group.remote(master_addr, master_port, degree) for a in self.actors])
-        ray.get([a.setup.remote() for a in self.actors])
+        built = [a.setup.remote() for a in self.actors]
+        wait_all(built, f"{name} pool: {{ready}} of {{total}} ranks built after {{seconds:.0f}} s")
+        ray.get(built)
 
     def __len__(self) -> int:
         return len(self.actors)

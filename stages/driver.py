@@ -61,8 +61,10 @@ def make_run_dir(cfg: Config) -> Path:
 
 
 def init_ray(cfg: Config) -> None:
+    """Connect to `ray.address` (or `RAY_ADDRESS`), else start a local Ray; a line says which and what it has."""
     if ray.is_initialized():
         return
+    begun = time.monotonic()
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
@@ -82,6 +84,18 @@ def init_ray(cfg: Config) -> None:
             log_to_driver=True,
             logging_level=logging.WARNING,
         )
+    print(f"{ray_line(address)} in {time.monotonic() - begun:.1f} s", flush=True)
+
+
+def ray_line(address: str | None) -> str:
+    """`ray: connected to ADDRESS` or `ray: started a local Ray`, with its nodes, CPUs and GPUs."""
+    have = ray.cluster_resources()
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    what = f"connected to {address}" if address else "started a local Ray"
+    return (
+        f"ray: {what} ({nodes} node{'s' if nodes != 1 else ''}, {have.get('CPU', 0):g} CPUs, "
+        f"{have.get('GPU', 0):g} GPUs)"
+    )
 
 
 # model.attn_implementation -> (the module it imports, its package, how to install it), for those torch lacks

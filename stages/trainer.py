@@ -155,11 +155,18 @@ class Trainer:
         self.placement = self.vision = self.text = None  # built below; a failed build kills what it started
         try:
             self.placement = place_pools(cfg, spares=spares)
+            opened = time.monotonic()
             started = self._open_streams(train_paths, eval_paths, image_root)
             self.vision = self._pool("vision", VisionPool, VisionWorker, spares[0])
             self.text = self._pool("text", TextPool, TextWorker, spares[1])
             # A stream that cannot start (no usable sample, a bad tokenizer) fails here, at start; one that hangs too.
             self.fetch(started, "the data streams' start", self._all_loaders())
+            if started:
+                print(
+                    f"data: {len(started)} streams read their first rows {time.monotonic() - opened:.1f} s after "
+                    "they were opened, beside the pools' build",
+                    flush=True,
+                )
             self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
         except BaseException:
             self.shutdown()
@@ -217,6 +224,7 @@ class Trainer:
 
     def _pool(self, stage: str, pool_cls: type, worker_cls: type, spares: int):
         s, transport = getattr(self.cfg, stage), self.cfg.pipeline.transport
+        begun = time.monotonic()
         pool = pool_cls(
             stage,
             worker_cls,
@@ -234,6 +242,9 @@ class Trainer:
         pool.layout = stage_layout(self.cfg, stage, self.model_config)
         pool.transport = transport
         pool.trains = self.fine_tuning.trains(stage)
+        extra = f" and {spares} spares" if spares else ""
+        built_s = time.monotonic() - begun
+        print(f"{stage} pool: {s.num_actors} ranks{extra} started and built in {built_s:.1f} s", flush=True)
         return pool
 
     def reuse(

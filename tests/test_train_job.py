@@ -117,8 +117,13 @@ def test_default_run_learns_and_writes_its_outputs(default_run, capsys):
     # The console is dhp's: no Ray notices at the start, no Ray Data advice blocks while the streams run.
     for notice in ("Started a local Ray instance", "Token authentication is enabled", "consider setting `memory="):
         assert notice not in output, notice
-    # What is placed where is printed at start: two ranks per pool, sharing bundles.
+    # What is placed where is printed at start: two ranks per pool, sharing bundles. Before it, each phase of the
+    # start-up and its seconds, in the order they end.
     assert "placement: shared" in proc.stdout and proc.stdout.count("vision rank") == 2
+    starts = ["ray: started a local Ray (1 node, ", "vision pool: 2 ranks started and built in ", "text pool: 2 ranks "]
+    starts += ["data: 2 streams read their first rows ", "placement: shared"]
+    firsts = [next((n for n, line in enumerate(proc.stdout.splitlines()) if line.startswith(s)), -1) for s in starts]
+    assert -1 not in firsts and firsts == sorted(firsts), dict(zip(starts, firsts))
     assert (out / "synth" / "train.jsonl").exists() and (out / "synth" / "val.jsonl").exists()
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "checkpoint")
