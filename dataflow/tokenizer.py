@@ -154,17 +154,25 @@ def _load_dir(path: str) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def tokenizer_dir_problem(path: str) -> str | None:
+    """Why `path` is not a tokenizer directory (None: it is one), checked by the driver before any worker loads it."""
+    if not os.path.isdir(path):
+        return "is not a directory (a tokenizer directory holds tokenizer.json, or a slow tokenizer's files)"
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return f"has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)})"
+    return None
+
+
 def load_tokenizer(path: str | None = None, cache_dir: str | None = None) -> PreTrainedTokenizerFast:
     """Return the Qwen2.5-VL tokenizer: from ``path`` if it is a directory, else built and cached.
 
     The result is shared between callers in this process (lru cache); do not mutate it.
     """
-    if path is not None and os.path.isdir(path):
-        if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-            raise FileNotFoundError(f"{path!r} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)})")
-        return _load_dir(os.path.abspath(path))
     if path is not None:
-        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+        problem = tokenizer_dir_problem(path)
+        if problem:
+            raise FileNotFoundError(f"{path!r} {problem}")
+        return _load_dir(os.path.abspath(path))
     return _load_cached(str(Path(cache_dir or _default_cache_dir()).expanduser().resolve()))
 
 

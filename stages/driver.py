@@ -65,9 +65,13 @@ def init_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     begun = time.monotonic()
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    key, address = ray_address(cfg)
     if address:
-        ray.init(address=address, log_to_driver=True)
+        check_reachable(key, address)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except ConnectionError as e:  # something answers there, but not a Ray head's GCS
+            raise ConfigError(f"{key}={address}: {one_line(e)}; {HEAD_ADDRESS}") from None
     else:
         from dhp.stages.rendezvous import local_ray_on_loopback
 
@@ -85,6 +89,36 @@ def init_ray(cfg: Config) -> None:
             logging_level=logging.WARNING,
         )
     print(f"{ray_line(address)} in {time.monotonic() - begun:.1f} s", flush=True)
+
+
+HEAD_ADDRESS = (
+    "give the address `ray start --head` printed (HOST:6379 by default), or leave ray.address unset to start a "
+    "local Ray"
+)
+
+
+def ray_address(cfg: Config) -> tuple[str, str | None]:
+    """(the setting, the cluster's address) a run connects to: `ray.address`, else `RAY_ADDRESS` (a Ray Job's),
+    else none (a local Ray)."""
+    if cfg.ray.address:
+        return "ray.address", cfg.ray.address
+    return "RAY_ADDRESS", os.environ.get("RAY_ADDRESS") or None
+
+
+def check_reachable(key: str, address: str | None, timeout_s: float = 10.0) -> None:
+    """A cluster's `HOST:PORT` must accept a connection (Ray itself retries an unreachable head for minutes, with
+    warnings only). `auto`, `ray://` (Ray Client) and other forms are left to Ray."""
+    import socket
+
+    if not address or ray.is_initialized():
+        return
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"{key}={address}: no Ray head answers there ({e.strerror or e}); {HEAD_ADDRESS}") from None
 
 
 def ray_line(address: str | None) -> str:
@@ -116,6 +150,21 @@ def check_attention(implementation: str) -> None:
             f"install it ({install}) or use "
             "model.attn_implementation=sdpa (PyTorch's SDPA, with a flash kernel on CUDA)"
         )
+
+
+def check_tokenizer(cfg: Config) -> None:
+    """The tokenizer directory (`model.tokenizer_path`, else `model.path`), when one is set, must hold a tokenizer:
+    checked here, before Ray starts (else every data worker would fail on it, deep in Ray Data)."""
+    from dhp.dataflow.tokenizer import tokenizer_dir_problem
+
+    key, path = (
+        ("model.tokenizer_path", cfg.model.tokenizer_path)
+        if cfg.model.tokenizer_path
+        else ("model.path", cfg.model.path)
+    )
+    problem = tokenizer_dir_problem(path) if path else None
+    if problem:
+        raise ConfigError(f"{key}={path} {problem}")
 
 
 def check_memory(cfg: Config, model_config: Any) -> None:
@@ -159,7 +208,9 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
     if cfg.plan.searched:  # the layouts of the devices Ray reports: Ray starts before the layout's checks
         cfg = _choose_layout(cfg, keep or [], started_ray)
     check_layout(cfg, model_config_of(cfg))  # before anything is written (and, unless auto, before Ray starts)
+    check_tokenizer(cfg)
     check_memory(cfg, model_config_of(cfg))
+    check_reachable(*ray_address(cfg))  # a mistyped cluster address: before anything is written
     run_dir = make_run_dir(cfg)
     train_paths, eval_paths, image_root = resolve_data(cfg)
     init_ray(cfg)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,44 @@ def test_flash_attention_without_flash_attn_is_refused_before_ray(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert code == 2 and list(tmp_path.iterdir()) == []  # nothing written, no actor started
     assert len(err.splitlines()) == 1 and "pip install flash-attn" in err and "attn_implementation=sdpa" in err
+
+
+def _refused(args: list[str], tmp_path, capsys) -> str:
+    """`dhp train ARGS` in this process: exit status 2, one line, nothing written (the quick tier has no Ray: a
+    run that got as far as starting one fails another way)."""
+    code = main(["train", f"output.dir={tmp_path / 'runs'}", f"data.synthetic.dir={tmp_path / 'synth'}", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("dhp: error: "), err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "synth").exists()
+    return err
+
+
+def test_a_model_path_that_is_no_checkpoint_is_one_line_naming_it(tmp_path, capsys):
+    err = _refused([f"model.path={tmp_path / 'nowhere'}"], tmp_path, capsys)
+    assert f"model.path={tmp_path / 'nowhere'} is not a directory" in err
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in _refused([f"model.path={tmp_path / 'empty'}"], tmp_path, capsys)
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}))
+    err = _refused([f"model.path={llama}"], tmp_path, capsys)
+    assert "no dhp model family for a LlamaConfig" in err and "Qwen2_5_VLConfig" in err
+
+
+def test_a_tokenizer_path_without_a_tokenizer_is_refused_before_any_worker_reads_it(tmp_path, capsys):
+    err = _refused([f"model.tokenizer_path={tmp_path / 'nowhere'}"], tmp_path, capsys)
+    assert f"model.tokenizer_path={tmp_path / 'nowhere'} is not a directory" in err
+    err = _refused([f"model.tokenizer_path={tmp_path}"], tmp_path, capsys)
+    assert "has no tokenizer files (expected one of tokenizer.json" in err
+
+
+def test_a_ray_address_where_nothing_listens_is_one_line_not_minutes_of_retries(tmp_path, capsys):
+    from tests.conftest import free_port
+
+    begun = time.monotonic()
+    err = _refused([f"ray.address=127.0.0.1:{free_port()}"], tmp_path, capsys)
+    assert "no Ray head answers there" in err and "leave ray.address unset" in err
+    assert time.monotonic() - begun < 60  # Ray's own retries of an unreachable head last minutes
 
 
 def test_unknown_preset_lists_presets():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dhp.errors import ConfigError, one_line
 from dhp.models.family.base import ModelFamily
 from dhp.models.family.qwen2_5_vl import QWEN2_5_VL
 from dhp.models.family.qwen3_vl import QWEN3_VL
@@ -37,11 +38,22 @@ def family_of(model_config: Any) -> ModelFamily:
 
 
 def load_config(path: str | Path, attn_implementation: str | None = None) -> Any:
-    """The model config of a checkpoint directory (its config.json), in its family's config class."""
+    """The model config of a checkpoint directory (its config.json), in its family's config class; a
+    `ConfigError` naming `model.path` when there is none, or when its model is not one dhp trains."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
-    family_of(config)  # a clear error for a model dhp does not train
+    where = Path(path)
+    if not (where / "config.json").is_file():
+        why = "has no config.json" if where.is_dir() else "is not a directory"
+        raise ConfigError(
+            f"model.path={path} {why}: it must be a local Hugging Face checkpoint directory (config.json and "
+            "*.safetensors)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(where)
+        family_of(config)
+    except Exception as e:  # noqa: BLE001 (a config.json transformers cannot read or validate, a model dhp does not train)
+        raise ConfigError(f"model.path={path}: {one_line(e)}") from None
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
         for sub in (config.vision_config, config.text_config):
