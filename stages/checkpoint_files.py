@@ -83,9 +83,12 @@ def commit(tmp: Path, keep_last: int, hashed: dict[str, dict[str, int | str]] | 
     return final
 
 
-def verify(ckpt: Path) -> str | None:
-    """None if every file listed in the manifest is there with its size and checksum; else what is wrong."""
+def verify(ckpt: Path, checksums: bool = True) -> str | None:
+    """None if every file listed in the manifest is there with its size and checksum; else what is wrong.
+    `checksums=False`: sizes only (reading every byte of a 72B checkpoint takes minutes)."""
     path = ckpt / MANIFEST
+    if not ckpt.is_dir():
+        return "no such directory"
     if not path.is_file():
         return "no manifest (the write did not finish)"
     try:
@@ -98,6 +101,8 @@ def verify(ckpt: Path) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != want["size"]:
             return f"{name} does not match its checksum"
+    if not checksums:
+        return None
     names = sorted(manifest)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for name, digest in zip(names, pool.map(lambda n: _sha256(ckpt / n), names)):
@@ -136,6 +141,10 @@ class ResumeFrom:
         """The checkpoint to restore, None for a fresh start; FileNotFoundError if a named one is unusable."""
         raise NotImplementedError
 
+    def check(self, checksums: bool = False) -> None:
+        """FileNotFoundError if what this choice names is unusable, as far as its files' presence and sizes say
+        (`checksums`: and their contents): the driver asks before Ray starts and the pools are built."""
+
 
 class Newest(ResumeFrom):
     def point(self, run_dir: Path) -> Path | None:
@@ -155,10 +164,13 @@ class Given(ResumeFrom):
         self.path = path
 
     def point(self, run_dir: Path) -> Path | None:
-        problem = verify(self.path)
+        self.check(checksums=True)
+        return self.path
+
+    def check(self, checksums: bool = False) -> None:
+        problem = verify(self.path, checksums)
         if problem:
             raise FileNotFoundError(f"training.resume={self.path}: not a usable checkpoint ({problem})")
-        return self.path
 
 
 _RESUME_WORDS: dict[str, type[ResumeFrom]] = {"auto": Newest, "none": Fresh}

@@ -55,7 +55,12 @@ def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
 def make_run_dir(cfg: Config) -> Path:
     name = cfg.output.name or time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.output.dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"output.dir={cfg.output.dir}: the run directory {run_dir} cannot be made ({e.strerror or e})"
+        ) from None
     save_config(cfg, run_dir / "config.yaml")
     return run_dir
 
@@ -211,6 +216,7 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
     check_tokenizer(cfg)
     check_memory(cfg, model_config_of(cfg))
     check_reachable(*ray_address(cfg))  # a mistyped cluster address: before anything is written
+    resume_from(cfg.training.resume).check()  # a named checkpoint that is not one
     run_dir = make_run_dir(cfg)
     train_paths, eval_paths, image_root = resolve_data(cfg)
     init_ray(cfg)

@@ -153,6 +153,26 @@ def test_a_ray_address_where_nothing_listens_is_one_line_not_minutes_of_retries(
     assert time.monotonic() - begun < 60  # Ray's own retries of an unreachable head last minutes
 
 
+def test_a_resume_checkpoint_that_is_not_one_is_refused_before_ray_starts(tmp_path, capsys):
+    from dhp.stages.checkpoint_files import MANIFEST
+
+    err = _refused([f"training.resume={tmp_path / 'nowhere'}"], tmp_path, capsys)
+    assert f"training.resume={tmp_path / 'nowhere'}: not a usable checkpoint (no such directory)" in err
+    partial = tmp_path / "step_000004"
+    partial.mkdir()
+    (partial / MANIFEST).write_text(json.dumps({"text-rank00000.safetensors": {"size": 8, "sha256": "0" * 64}}))
+    err = _refused([f"training.resume={partial}"], tmp_path, capsys)
+    assert "not a usable checkpoint (text-rank00000.safetensors is missing)" in err
+
+
+def test_an_output_dir_that_cannot_be_made_names_the_key(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    code = main(["train", f"output.dir={tmp_path / 'file'}", f"data.synthetic.dir={tmp_path / 'synth'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"dhp: error: output.dir={tmp_path / 'file'}: the run directory ")
+    assert "cannot be made" in err and len(err.splitlines()) == 1
+
+
 def test_unknown_preset_lists_presets():
     message = _error("no_such_preset")
     assert "no_such_preset" in message
