@@ -33,6 +33,7 @@ from dhp.dataflow.positions import MAX_SKIP_EXAMPLES, Read, files_key, reads, re
 from dhp.dataflow.preprocess import PreprocessSettings, decode_sample, preprocess_row
 from dhp.dataflow.sources import Jsonl, split_batch
 from dhp.dataflow.storage import filesystem_of_all, scheme_of
+from dhp.errors import DataError
 
 ROWS_PER_TASK = 16  # records per preprocessing task (small_blocks): 4 and 64 measured slower here
 SPLIT_CPUS = 0.05  # Ray CPU asked by the file -> records split (and the cutting fused into it): mostly I/O
@@ -284,9 +285,9 @@ class BatchLoader:
         if not self.repeat:
             self.exhausted = True
         elif self._barren():
-            raise RuntimeError(
-                f"no usable sample in {self.args[0]} for data stream {self.stream[0]} of "
-                f"{self.stream[1]}; skipped: {dict(self.skipped)}"
+            read = f"skipped: {dict(self.skipped)}" if self.skipped else "no record was read: the files are empty"
+            raise DataError(
+                f"no usable sample in {self.args[0]} for data stream {self.stream[0]} of {self.stream[1]}; {read}"
             )
         else:
             self.epoch += 1

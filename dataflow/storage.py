@@ -188,8 +188,9 @@ def filesystem_of_all(uris: list[str], storage: Any = None) -> tuple[pafs.FileSy
     return fs, [filesystem(u, storage)[1] for u in uris]
 
 
-def require_file(uri: str, storage: Any = None, what: str = "annotation file") -> None:
-    """Raise a one-line FileNotFoundError naming `uri` unless it is a readable file or folder."""
+def require_file(uri: str, storage: Any = None, what: str = "annotation file") -> int | None:
+    """Raise a one-line FileNotFoundError naming `uri` unless it is a readable file or folder; its bytes (None:
+    a folder)."""
     fs, path = filesystem(uri, storage)
     try:
         info = fs.get_file_info(path)
@@ -197,6 +198,7 @@ def require_file(uri: str, storage: Any = None, what: str = "annotation file") -
         raise FileNotFoundError(f"{what} {uri} cannot be read: {one_line(e)}") from None
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{what} not found: {uri}")
+    return info.size if info.type == pafs.FileType.File else None
 
 
 def _credentials_file() -> Path:

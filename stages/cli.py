@@ -43,6 +43,7 @@ from pathlib import Path
 
 import yaml
 
+from dhp.errors import DataError, one_line
 from dhp.stages.config import ConfigError, load_config
 from dhp.stages.preemption import PREEMPTED_EXIT, Preempted
 
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args) or 0
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"dhp: error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:  # from a loader actor: Ray's wrapper, whose text is the actor's traceback
+        print(f"dhp: error: {one_line(getattr(e, 'cause', e))}", file=sys.stderr)
         return 2
     except Preempted:
         return PREEMPTED_EXIT  # the driver printed `preempted at step N, checkpoint DIR`

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from dhp.dataflow.synth import write_synthetic_dataset
+from dhp.errors import DataError
 from dhp.stages import run_log
 from dhp.stages.checkpoint_files import Newest, latest_valid, resume_from
 from dhp.stages.config import Config, ConfigError, one_line, save_config
@@ -46,8 +47,11 @@ def resolve_data(cfg: Config) -> tuple[list[str], list[str], str]:
         if paths:
             filesystem_of_all(paths, storage)  # one Ray Data read per split: one kind of storage each
             if not record_format(d, paths).missing_ok:  # a missing shard is a counted skip; a missing
-                for p in paths:  # annotation file stops the run here, naming its key (local or s3://)
-                    require_file(p, storage)
+                # annotation file stops the run here, naming its key (local or s3://); so do training files
+                # that are all empty (Ray Data would read no record and the stream would stop at its start)
+                sizes = [require_file(p, storage) for p in paths]
+                if paths is train and all(size == 0 for size in sizes):
+                    raise DataError(f"data.train: every annotation file is empty ({', '.join(train)})")
     root = d.image_root or os.path.dirname(train[0])
     return train, evals, root if "://" in root else os.path.abspath(root)
 
@@ -217,8 +221,8 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
     check_memory(cfg, model_config_of(cfg))
     check_reachable(*ray_address(cfg))  # a mistyped cluster address: before anything is written
     resume_from(cfg.training.resume).check()  # a named checkpoint that is not one
+    train_paths, eval_paths, image_root = resolve_data(cfg)  # missing or empty files: before the run directory
     run_dir = make_run_dir(cfg)
-    train_paths, eval_paths, image_root = resolve_data(cfg)
     init_ray(cfg)
     faults: list[dict[str, Any]] = []
     clock = StepClock(cfg.training.step_timeout_s, cfg.training.step_timeout_min_s)  # learned across restarts

@@ -165,6 +165,16 @@ def test_a_resume_checkpoint_that_is_not_one_is_refused_before_ray_starts(tmp_pa
     assert "not a usable checkpoint (text-rank00000.safetensors is missing)" in err
 
 
+def test_training_files_that_are_all_empty_are_one_line_before_ray_starts(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("")
+    err = _refused([f"data.train={tmp_path / '*.jsonl'}"], tmp_path, capsys)
+    assert (
+        err
+        == f"dhp: error: data.train: every annotation file is empty ({tmp_path / 'a.jsonl'}, {tmp_path / 'b.jsonl'})"
+    )
+
+
 def test_an_output_dir_that_cannot_be_made_names_the_key(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     code = main(["train", f"output.dir={tmp_path / 'file'}", f"data.synthetic.dir={tmp_path / 'synth'}"])

@@ -13,6 +13,7 @@ from dhp.dataflow.loader import loader_actor
 from dhp.dataflow.positions import Read
 from dhp.dataflow.preprocess import PreprocessSettings
 from dhp.dataflow.sources import split_records
+from dhp.errors import DataError, one_line
 from dhp.models.architectures import architecture_config
 from tests.conftest import write_image
 
@@ -204,8 +205,13 @@ def test_a_late_stream_that_only_skips_says_why_while_it_reads(annotations, tmp_
     try:
         ray.get(loader.start.remote())  # Ray Data's start-up is not what this test waits on
         # About 9 s of reading (60 ms a record here), asked every 4 s; a stall would be 8 s without a record.
-        with pytest.raises(ray.exceptions.RayTaskError, match="no usable sample"):
+        with pytest.raises(ray.exceptions.RayTaskError, match="no usable sample") as raised:
             wait_for_data([loader.next_batch.remote()], [loader], 4.0, "step 1")
+        # what `dhp` prints as its one-line error (stages/cli.py): the loader's message, not Ray's traceback
+        assert isinstance(raised.value, DataError) and isinstance(raised.value.cause, DataError)
+        assert one_line(raised.value.cause) == (
+            f"no usable sample in {[str(tmp_path / 'long.jsonl')]} for data stream 0 of 1; skipped: {{'too_long': 150}}"
+        )
         out = capsys.readouterr().out
         assert re.search(r"warning: step 1: data stream 0 is late: (\d+) of the \1 records it read", out)
         assert "too_long: " in out and "long.jsonl:" in out and "data.max_seq_len=8" in out
