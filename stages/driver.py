@@ -23,6 +23,7 @@ from dhp.stages.checkpoint_files import Newest, latest_valid, resume_from
 from dhp.stages.config import Config, ConfigError, one_line, save_config
 from dhp.stages.node_probe import lost_nodes
 from dhp.stages.preemption import Preempted, Preemption
+from dhp.stages.preflight import HEAD_ADDRESS, check_attention, check_reachable, preflight, ray_address
 from dhp.stages.rebalance import Rebalanced, Rebalancer
 from dhp.stages.step_ledger import StepInvariantError
 from dhp.stages.step_logs import StepLogs
@@ -100,36 +101,6 @@ def init_ray(cfg: Config) -> None:
     print(f"{ray_line(address)} in {time.monotonic() - begun:.1f} s", flush=True)
 
 
-HEAD_ADDRESS = (
-    "give the address `ray start --head` printed (HOST:6379 by default), or leave ray.address unset to start a "
-    "local Ray"
-)
-
-
-def ray_address(cfg: Config) -> tuple[str, str | None]:
-    """(the setting, the cluster's address) a run connects to: `ray.address`, else `RAY_ADDRESS` (a Ray Job's),
-    else none (a local Ray)."""
-    if cfg.ray.address:
-        return "ray.address", cfg.ray.address
-    return "RAY_ADDRESS", os.environ.get("RAY_ADDRESS") or None
-
-
-def check_reachable(key: str, address: str | None, timeout_s: float = 10.0) -> None:
-    """A cluster's `HOST:PORT` must accept a connection (Ray itself retries an unreachable head for minutes, with
-    warnings only). `auto`, `ray://` (Ray Client) and other forms are left to Ray."""
-    import socket
-
-    if not address or ray.is_initialized():
-        return
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ConfigError(f"{key}={address}: no Ray head answers there ({e.strerror or e}); {HEAD_ADDRESS}") from None
-
-
 def ray_line(address: str | None) -> str:
     """`ray: connected to ADDRESS` or `ray: started a local Ray`, with its nodes, CPUs and GPUs."""
     have = ray.cluster_resources()
@@ -139,55 +110,6 @@ def ray_line(address: str | None) -> str:
         f"ray: {what} ({nodes} node{'s' if nodes != 1 else ''}, {have.get('CPU', 0):g} CPUs, "
         f"{have.get('GPU', 0):g} GPUs)"
     )
-
-
-# model.attn_implementation -> (the module it imports, its package, how to install it), for those torch lacks
-ATTENTION_PACKAGES = {
-    "flash_attention_2": ("flash_attn", "flash-attn", "pip install flash-attn --no-build-isolation, CUDA only")
-}
-
-
-def check_attention(implementation: str) -> None:
-    """The asked-for attention kernel must be importable here, before Ray starts (else every actor would fail
-    its setup with an ImportError minutes later)."""
-    import importlib.util
-
-    module, package, install = ATTENTION_PACKAGES.get(implementation, (None, None, None))
-    if module and importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            f"model.attn_implementation={implementation} needs the {package} package, which is not installed: "
-            f"install it ({install}) or use "
-            "model.attn_implementation=sdpa (PyTorch's SDPA, with a flash kernel on CUDA)"
-        )
-
-
-def check_tokenizer(cfg: Config) -> None:
-    """The tokenizer directory (`model.tokenizer_path`, else `model.path`), when one is set, must hold a tokenizer:
-    checked here, before Ray starts (else every data worker would fail on it, deep in Ray Data)."""
-    from dhp.dataflow.tokenizer import tokenizer_dir_problem
-
-    key, path = (
-        ("model.tokenizer_path", cfg.model.tokenizer_path)
-        if cfg.model.tokenizer_path
-        else ("model.path", cfg.model.path)
-    )
-    problem = tokenizer_dir_problem(path) if path else None
-    if problem:
-        raise ConfigError(f"{key}={path} {problem}")
-
-
-def check_memory(cfg: Config, model_config: Any) -> None:
-    """Refuse a layout the memory plan (models/planning/memory_plan.py) says will not fit its GPUs, with the
-    plan's table and what would fit; `training.skip_memory_check=true` starts anyway."""
-    from dhp.models.planning.memory_plan import advice, plan, table
-
-    result = plan(cfg, model_config)
-    if result["fits"] is False and not cfg.training.skip_memory_check:
-        tips = "; ".join(advice(cfg, result, model_config))
-        raise ConfigError(
-            f"this layout does not fit its GPUs (dhp plan):\n{table(result)}\nwhat would fit: {tips}; or "
-            f"training.skip_memory_check=true to start anyway"
-        )
 
 
 class NewTrainers:
@@ -209,18 +131,11 @@ def train(cfg: Config, keep: list[str] | None = None, trainers: Any = None) -> d
     """Run `cfg` to completion; returns the run summary (also written to RUN_DIR/summary.json). `keep`: the layout
     keys the command line set, which `plan.layout=auto` keeps (stages/auto_layout.py). `trainers`: where each
     attempt's trainer comes from (`NewTrainers` by default)."""
-    from dhp.models.parallel.checks import check_layout
-    from dhp.stages.trainer import model_config_of  # heavy imports: after config errors are out
-
     check_attention(cfg.model.attn_implementation)
     started_ray = not ray.is_initialized()
     if cfg.plan.searched:  # the layouts of the devices Ray reports: Ray starts before the layout's checks
         cfg = _choose_layout(cfg, keep or [], started_ray)
-    check_layout(cfg, model_config_of(cfg))  # before anything is written (and, unless auto, before Ray starts)
-    check_tokenizer(cfg)
-    check_memory(cfg, model_config_of(cfg))
-    check_reachable(*ray_address(cfg))  # a mistyped cluster address: before anything is written
-    resume_from(cfg.training.resume).check()  # a named checkpoint that is not one
+    preflight(cfg)  # before anything is written (and, unless auto, before Ray starts)
     train_paths, eval_paths, image_root = resolve_data(cfg)  # missing or empty files: before the run directory
     run_dir = make_run_dir(cfg)
     init_ray(cfg)

@@ -103,7 +103,7 @@ def test_flash_attention_without_flash_attn_is_refused_before_ray(tmp_path, caps
     import importlib.util
 
     from dhp.stages.cli import main
-    from dhp.stages.driver import check_attention
+    from dhp.stages.preflight import check_attention
 
     check_attention("sdpa")
     if importlib.util.find_spec("flash_attn") is not None:  # a GPU machine with it installed: accepted
