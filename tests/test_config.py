@@ -116,8 +116,8 @@ def test_flash_attention_without_flash_attn_is_refused_before_ray(tmp_path, caps
 
 
 def _refused(args: list[str], tmp_path, capsys) -> str:
-    """`dhp train ARGS` in this process: exit status 2, one line, nothing written (the quick tier has no Ray: a
-    run that got as far as starting one fails another way)."""
+    """`dhp train ARGS` in this process: exit status 2, one line, nothing written. (Not for what is checked when a
+    Ray starts: in the full tier the tests' own Ray may run in this process, and a run then uses it as it is.)"""
     code = main(["train", f"output.dir={tmp_path / 'runs'}", f"data.synthetic.dir={tmp_path / 'synth'}", *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("dhp: error: "), err
@@ -144,13 +144,27 @@ def test_a_tokenizer_path_without_a_tokenizer_is_refused_before_any_worker_reads
     assert "has no tokenizer files (expected one of tokenizer.json" in err
 
 
-def test_a_ray_address_where_nothing_listens_is_one_line_not_minutes_of_retries(tmp_path, capsys):
+def test_a_ray_address_where_nothing_listens_is_refused_and_other_forms_are_left_to_ray():
+    from dhp.stages.preflight import check_reachable
+    from tests.conftest import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match=f"ray.address={address}: no Ray head answers there") as refused:
+        check_reachable("ray.address", address)
+    assert "leave ray.address unset" in str(refused.value)
+    for other in (None, "auto", "local", "ray://127.0.0.1:1", "localhost"):
+        check_reachable("ray.address", other)
+
+
+@pytest.mark.slow  # a subprocess: in this process the tests' own Ray may run, which a run then uses as it is
+def test_dhp_train_at_a_ray_address_where_nothing_listens_is_one_line_not_minutes_of_retries(tmp_path):
     from tests.conftest import free_port
 
     begun = time.monotonic()
-    err = _refused([f"ray.address=127.0.0.1:{free_port()}"], tmp_path, capsys)
-    assert "no Ray head answers there" in err and "leave ray.address unset" in err
+    proc = _dhp("train", f"ray.address=127.0.0.1:{free_port()}", f"output.dir={tmp_path / 'runs'}", cwd=tmp_path)
+    _assert_one_line_error(proc, "no Ray head answers there")
     assert time.monotonic() - begun < 60  # Ray's own retries of an unreachable head last minutes
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # stopped before any work
 
 
 def test_a_resume_checkpoint_that_is_not_one_is_refused_before_ray_starts(tmp_path, capsys):
