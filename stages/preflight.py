@@ -24,7 +24,8 @@ def preflight(cfg: Config) -> None:
     check_layout(cfg, model_config)
     check_tokenizer(cfg)
     check_memory(cfg, model_config)
-    check_reachable(*ray_address(cfg))
+    if not ray.is_initialized():  # a Ray this process already has is what the run uses (`init_ray`)
+        check_reachable(*ray_address(cfg))
     resume_from(cfg.training.resume).check()
 
 
@@ -96,7 +97,7 @@ def check_reachable(key: str, address: str | None, timeout_s: float = 10.0) -> N
     warnings only). `auto`, `ray://` (Ray Client) and other forms are left to Ray."""
     import socket
 
-    if not address or ray.is_initialized():
+    if not address:
         return
     host, _, port = address.rpartition(":")
     if "://" in address or not host or not port.isdigit():
