@@ -162,11 +162,9 @@ class Trainer:
             # A stream that cannot start (no usable sample, a bad tokenizer) fails here, at start; one that hangs too.
             self.fetch(started, "the data streams' start", self._all_loaders())
             if started:
-                print(
-                    f"data: {len(started)} streams read their first rows {time.monotonic() - opened:.1f} s after "
-                    "they were opened, beside the pools' build",
-                    flush=True,
-                )
+                streams = f"{len(started)} streams read their" if len(started) > 1 else "1 stream read its"
+                waited = time.monotonic() - opened
+                print(f"data: {streams} first rows {waited:.1f} s after the pools' build began", flush=True)
             self.where = {stage: ray.get([a.where.remote() for a in pool.actors]) for stage, pool in self.pools()}
         except BaseException:
             self.shutdown()
