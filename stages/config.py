@@ -47,6 +47,11 @@ class ModelConfig:
     precision: Literal["fp32", "bf16"] = "fp32"  # model states: fp32 master (16 B/param) or pure bf16 (8 B/param)
     tokenizer_path: str | None = None  # tokenizer dir; default: `path`, else the built-in Qwen2.5 BPE
 
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """The directory the tokenizer is read from: `tokenizer_path`, else `path`; None: the built-in BPE."""
+        return self.tokenizer_path or self.path
+
 
 @dataclass
 class StageConfig:

@@ -54,11 +54,8 @@ def check_tokenizer(cfg: Config) -> None:
     checked here, before Ray starts (else every data worker would fail on it, deep in Ray Data)."""
     from dhp.dataflow.tokenizer import tokenizer_dir_problem
 
-    key, path = (
-        ("model.tokenizer_path", cfg.model.tokenizer_path)
-        if cfg.model.tokenizer_path
-        else ("model.path", cfg.model.path)
-    )
+    path = cfg.model.tokenizer_dir
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
     problem = tokenizer_dir_problem(path) if path else None
     if problem:
         raise ConfigError(f"{key}={path} {problem}")

@@ -82,7 +82,7 @@ def preprocess_settings(cfg: Config, image_root: str, train_paths: list[str]) ->
         min_pixels=d.min_pixels,
         max_pixels=d.max_pixels,
         max_seq_len=d.max_seq_len,
-        tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
+        tokenizer_path=cfg.model.tokenizer_dir,
         storage=resolve_storage(d.storage),  # credentials read here, in the driver, then carried to workers
         records=record_format(d, train_paths),  # JSONL or WebDataset shards (dataflow/sources.py)
         video=VideoSettings(**dataclasses.asdict(d.video)),  # frame sampling and size (dataflow/video.py)

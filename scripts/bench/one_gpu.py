@@ -174,9 +174,7 @@ def photo_samples(cfg: Any, mc: Any, shard: Path, count: int | None) -> list[dic
     from dhp.dataflow.webdataset import shard_rows
 
     d = cfg.data
-    settings = PreprocessSettings(
-        "", d.min_pixels, d.max_pixels, d.max_seq_len, tokenizer_path=cfg.model.tokenizer_path or cfg.model.path
-    )
+    settings = PreprocessSettings("", d.min_pixels, d.max_pixels, d.max_seq_len, tokenizer_path=cfg.model.tokenizer_dir)
     preprocess, sizes = Preprocessor(settings, mc), original_sizes(shard)
     rows = shard_rows(pafs.LocalFileSystem(), str(shard), shard.name, d.webdataset.prompt, d.webdataset.caption)
     samples = []
